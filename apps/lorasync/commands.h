@@ -1,0 +1,36 @@
+// apps/lorasync/commands.h: how subcommands plug into the one `lorasync` binary.
+//
+// Each cmd_*.cpp defines a register_* function that adds its CLI11 subcommand (with its options
+// bound to a struct it owns) and records the function to run when that subcommand is chosen.
+// Subcommands stay thin: they parse flags, call the libraries, print results.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <utility>
+#include <vector>
+
+namespace lorasync::cli {
+
+using Runner = std::function<int()>;
+
+class Registry {
+ public:
+  void add(CLI::App* sub, Runner run) { entries_.emplace_back(sub, std::move(run)); }
+  const std::vector<std::pair<CLI::App*, Runner>>& entries() const { return entries_; }
+
+ private:
+  std::vector<std::pair<CLI::App*, Runner>> entries_;
+};
+
+// Top-level subcommands.
+void register_init_model(CLI::App& root, Registry& reg);
+void register_logprobs(CLI::App& root, Registry& reg);
+void register_generate(CLI::App& root, Registry& reg);
+
+// `lorasync bench <name>`; `bench` is the parent subcommand.
+void register_bench_gemm(CLI::App& bench, Registry& reg);
+void register_bench_forward(CLI::App& bench, Registry& reg);
+
+}  // namespace lorasync::cli

@@ -1,0 +1,53 @@
+// lorasync: one binary, thin subcommands (serve, proxy, train, eval, demo, bench, grade, tokenize,
+// logprobs, init-model, ...). Exit codes: 0 ok, 1 runtime error, 2 bad input or configuration.
+#include <cstdio>
+#include <exception>
+
+#include "commands.h"
+#include "util/error.h"
+#include "util/log.h"
+#include "util/process.h"
+
+int main(int argc, char** argv) {
+  using namespace lorasync;
+  configure_process();
+  log::init_stderr();
+
+  CLI::App app{"lorasync: asynchronous GRPO for LoRA adapters (trainer, server, proxy, verifier)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("lorasync ") + LORASYNC_VERSION);
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
+
+  cli::Registry reg;
+  cli::register_init_model(app, reg);
+  cli::register_logprobs(app, reg);
+  cli::register_generate(app, reg);
+
+  CLI::App* bench = app.add_subcommand("bench", "benchmarks: JSON lines on stdout, table on stderr");
+  bench->require_subcommand(1);
+  cli::register_bench_gemm(*bench, reg);
+  cli::register_bench_forward(*bench, reg);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  try {
+    log::set_level(log_level);
+    for (const auto& [sub, run] : reg.entries())
+      if (sub->parsed()) return run();
+    std::fprintf(stderr, "lorasync: no subcommand given\n");
+    return 2;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "lorasync: error: %s\n", e.what());
+    return (e.kind() == ErrorKind::kInvalidInput || e.kind() == ErrorKind::kUnsupported ||
+            e.kind() == ErrorKind::kNotFound)
+               ? 2
+               : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lorasync: error: %s\n", e.what());
+    return 1;
+  }
+}
