@@ -1,0 +1,154 @@
+// `lorasync bench forward`: prefill and decode throughput of a model configuration with random
+// weights (no disk), and utilisation against the GEMM peak measured in the same run.
+//  - prefill: `prefill_batch` prompts of `prompt_tokens` tokens in one flat batch, LM head on the
+//    last token of each (as a server does);
+//  - decode: batch b sequences with `context` cached tokens, `decode_steps` steps of one token each
+//    through the batched decode path.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "commands.h"
+#include "core/model/perf.h"
+#include "core/model/qwen2_model.h"
+#include "core/model/runtime.h"
+#include "util/bench_report.h"
+#include "util/log.h"
+#include "util/strings.h"
+
+namespace lorasync::cli {
+
+namespace {
+
+struct BenchForwardOptions {
+  std::string presets = "tiny,small";
+  std::int64_t prompt_tokens = 256;
+  std::int64_t prefill_batch = 4;
+  std::string decode_batches = "1,8,64";
+  std::int64_t context = 128;
+  std::int64_t decode_steps = 8;
+  std::string dtype = "auto";
+  std::string device = "cpu";
+  int threads = 0;
+  int repeats = 3;
+};
+
+double seconds_of(const std::function<void()>& f, c10::Device device, int repeats) {
+  f();  // warm-up
+  model::device_synchronize(device);
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    f();
+    model::device_synchronize(device);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+int run(const BenchForwardOptions& o) {
+  model::set_compute_threads(o.threads);
+  auto device = model::parse_device(o.device);
+  auto dtype = model::parse_dtype(o.dtype, device, "--dtype");
+  BenchReporter rep;
+  const double peak = model::gemm_peak_gflops(dtype, device);
+  nlohmann::json env = {{"dtype", model::dtype_name(dtype)}, {"device", device.str()},
+                        {"threads", model::compute_threads()}};
+  rep.emit({"forward", "gemm_peak_gflops", peak, "GFLOP/s", std::nullopt, env});
+  at::NoGradGuard ng;
+  for (const auto& pname : split(o.presets, ',')) {
+    const std::string preset(trim(pname));
+    auto cfg = model::Qwen2Config::preset(preset);
+    LS_LOG_INFO("bench", "forward: building random {} model ({:.1f}M params)", preset,
+                static_cast<double>(cfg.n_params()) / 1e6);
+    auto m = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, 0, dtype), dtype, device);
+    auto cfg_json = env;
+    cfg_json["preset"] = preset;
+    cfg_json["params"] = cfg.n_params();
+
+    // Prefill.
+    std::vector<std::vector<std::int64_t>> prompts(static_cast<std::size_t>(o.prefill_batch));
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      for (std::int64_t t = 0; t < o.prompt_tokens; ++t)
+        prompts[i].push_back((static_cast<std::int64_t>(i) * 7919 + t * 104729) % cfg.vocab_size);
+    auto batch = model::make_batch(prompts, {}, device);
+    std::vector<std::int64_t> last_rows;
+    for (std::int64_t i = 0; i < o.prefill_batch; ++i) last_rows.push_back((i + 1) * o.prompt_tokens - 1);
+    auto rows = at::tensor(last_rows, at::TensorOptions().dtype(at::kLong)).to(device);
+    double s = seconds_of([&] { (void)m->logits(m->forward(batch).index_select(0, rows)); }, device, o.repeats);
+    const double n_tok = static_cast<double>(o.prefill_batch * o.prompt_tokens);
+    double flops = model::forward_flops(cfg, n_tok, static_cast<double>(o.prompt_tokens) / 2,
+                                        static_cast<double>(o.prefill_batch));
+    auto c = cfg_json;
+    c["batch"] = o.prefill_batch;
+    c["prompt_tokens"] = o.prompt_tokens;
+    rep.emit({"forward", "prefill_tokens_per_s", n_tok / s, "tokens/s", std::nullopt, c});
+    rep.emit({"forward", "prefill_gflops", flops / s / 1e9, "GFLOP/s", peak, c});
+
+    // Decode at several batch sizes.
+    for (auto b : parse_int_list(o.decode_batches, "--decode-batches")) {
+      const std::int64_t cap = o.context + o.decode_steps * (o.repeats + 2) + 1;
+      model::ContiguousKvCache cache(cfg, b, cap, dtype, device);
+      std::vector<std::vector<std::int64_t>> ctx(static_cast<std::size_t>(b));
+      std::vector<std::int64_t> ids;
+      for (std::int64_t i = 0; i < b; ++i) {
+        ids.push_back(i);
+        for (std::int64_t t = 0; t < o.context; ++t)
+          ctx[static_cast<std::size_t>(i)].push_back((i * 31 + t * 17) % cfg.vocab_size);
+      }
+      // Prefill the contexts a few sequences at a time (not timed).
+      for (std::int64_t i = 0; i < b; i += 8) {
+        std::vector<std::vector<std::int64_t>> part;
+        std::vector<std::int64_t> part_ids;
+        for (std::int64_t j = i; j < std::min(b, i + 8); ++j) {
+          part.push_back(ctx[static_cast<std::size_t>(j)]);
+          part_ids.push_back(j);
+        }
+        auto pb = model::make_batch(part, {}, device);
+        auto meta = cache.plan(pb.segs, part_ids);
+        m->forward(pb, nullptr, &cache.pool(), &meta);
+      }
+      std::vector<std::int64_t> pos(static_cast<std::size_t>(b), o.context);
+      auto step_all = [&] {
+        for (std::int64_t st = 0; st < o.decode_steps; ++st) {
+          std::vector<std::vector<std::int64_t>> one(static_cast<std::size_t>(b), std::vector<std::int64_t>{1});
+          auto db = model::make_batch(one, pos, device);
+          auto meta = cache.plan(db.segs, ids);
+          (void)m->logits(m->forward(db, nullptr, &cache.pool(), &meta));
+          for (auto& p : pos) ++p;
+        }
+      };
+      double ds = seconds_of(step_all, device, o.repeats);
+      const double toks = static_cast<double>(b * o.decode_steps);
+      double dflops = model::forward_flops(cfg, toks, static_cast<double>(o.context), toks);
+      auto dc = cfg_json;
+      dc["batch"] = b;
+      dc["context"] = o.context;
+      rep.emit({"forward", "decode_tokens_per_s", toks / ds, "tokens/s", std::nullopt, dc});
+      rep.emit({"forward", "decode_gflops", dflops / ds / 1e9, "GFLOP/s", peak, dc});
+    }
+  }
+  rep.print_table();
+  return 0;
+}
+
+}  // namespace
+
+void register_bench_forward(CLI::App& bench, Registry& reg) {
+  auto o = std::make_shared<BenchForwardOptions>();
+  auto* sub = bench.add_subcommand("forward", "prefill and decode throughput of a model shape");
+  sub->add_option("--presets", o->presets, "comma list: tiny,small,qwen2.5-1.5b-shape")->capture_default_str();
+  sub->add_option("--prompt-tokens", o->prompt_tokens, "tokens per prefill prompt")->capture_default_str();
+  sub->add_option("--prefill-batch", o->prefill_batch, "prompts per prefill batch")->capture_default_str();
+  sub->add_option("--decode-batches", o->decode_batches, "decode batch sizes")->capture_default_str();
+  sub->add_option("--context", o->context, "cached tokens per sequence before decode")->capture_default_str();
+  sub->add_option("--decode-steps", o->decode_steps, "decode steps per timing")->capture_default_str();
+  sub->add_option("--dtype", o->dtype, "auto|float32|bfloat16|float16")->capture_default_str();
+  sub->add_option("--device", o->device, "cpu|cuda[:N]")->capture_default_str();
+  sub->add_option("--threads", o->threads, "0 = all cores")->capture_default_str();
+  sub->add_option("--repeats", o->repeats, "timed repetitions (best is kept)")->capture_default_str();
+  reg.add(sub, [o] { return run(*o); });
+}
+
+}  // namespace lorasync::cli

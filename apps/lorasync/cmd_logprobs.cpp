@@ -1,0 +1,84 @@
+// `lorasync logprobs`: per-token logprobs of completion ids after prompt ids, for a model with an
+// optional adapter: the trainer's numerics, to debug a trainer/server mismatch.
+//   lorasync logprobs --model DIR [--adapter DIR] --prompt-ids 1,2,3 --completion-ids 4,5
+//   -> {"logprobs": [lp4, lp5]}
+// With --input FILE.jsonl ({"prompt_ids": [...], "completion_ids": [...]} rows) all rows are
+// packed into one forward and one {"logprobs": [...]} row is printed per input row.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+
+#include "commands.h"
+#include "core/model/logprobs.h"
+#include "model_options.h"
+#include "util/error.h"
+#include "util/strings.h"
+
+namespace lorasync::cli {
+
+namespace {
+
+struct LogprobsOptions {
+  ModelOptions model;
+  std::string prompt_ids, completion_ids, input;
+  double temperature = 1.0;
+};
+
+std::vector<std::int64_t> ids_field(const nlohmann::json& row, const char* key, std::size_t line) {
+  if (!row.contains(key) || !row[key].is_array())
+    throw_invalid("line {}: '{}' must be a list of token ids", line, key);
+  std::vector<std::int64_t> out;
+  for (const auto& v : row[key]) {
+    if (!v.is_number_integer()) throw_invalid("line {}: '{}' holds a non-integer {}", line, key, v.dump());
+    out.push_back(v.get<std::int64_t>());
+  }
+  return out;
+}
+
+int run(const LogprobsOptions& o) {
+  std::vector<model::LogprobItem> items;
+  if (!o.input.empty()) {
+    std::ifstream in(o.input);
+    if (!in) throw_not_found("--input {}: cannot open", o.input);
+    std::string line;
+    std::size_t n = 0;
+    while (std::getline(in, line)) {
+      ++n;
+      if (trim(line).empty()) continue;
+      nlohmann::json row;
+      try {
+        row = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        throw_invalid("{} line {}: not valid JSON: {}", o.input, n, e.what());
+      }
+      items.push_back({ids_field(row, "prompt_ids", n), ids_field(row, "completion_ids", n)});
+    }
+  } else {
+    if (o.prompt_ids.empty()) throw_invalid("give --prompt-ids and --completion-ids, or --input FILE.jsonl");
+    items.push_back({parse_int_list(o.prompt_ids, "--prompt-ids"),
+                     parse_int_list(o.completion_ids, "--completion-ids")});
+  }
+  auto lm = load_model(o.model);
+  auto lps = model::completion_logprobs(*lm.model, lm.adapter.get(), items, o.temperature);
+  for (const auto& lp : lps) {
+    nlohmann::json j = {{"logprobs", lp}};
+    std::printf("%s\n", j.dump().c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_logprobs(CLI::App& root, Registry& reg) {
+  auto o = std::make_shared<LogprobsOptions>();
+  auto* sub = root.add_subcommand("logprobs", "per-token logprobs of completion ids (trainer numerics)");
+  add_model_options(sub, o->model);
+  sub->add_option("--prompt-ids", o->prompt_ids, "comma-separated prompt token ids");
+  sub->add_option("--completion-ids", o->completion_ids, "comma-separated completion token ids");
+  sub->add_option("--input", o->input, "JSONL rows {prompt_ids, completion_ids}");
+  sub->add_option("--temperature", o->temperature, "logits are divided by it")->capture_default_str();
+  reg.add(sub, [o] { return run(*o); });
+}
+
+}  // namespace lorasync::cli

@@ -1,0 +1,49 @@
+// core/model/logprobs.h: reference computations on top of the model, used by tools and tests to
+// check the server and the trainer: completion logprobs (`lorasync logprobs`) and a plain
+// one-sequence generation loop (`lorasync generate`).
+//
+// Logprobs are log_softmax(logits / temperature) of the given completion tokens, in fp32, the
+// "processed" logprobs the server returns with top_p = 1 and no top-k.
+// Thread-safety: functions are reentrant; the model is only read.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/model/qwen2_model.h"
+
+namespace lorasync::model {
+
+struct LogprobItem {
+  std::vector<std::int64_t> prompt;      // at least one token
+  std::vector<std::int64_t> completion;  // scored tokens
+};
+
+// One forward over all items packed into one flat batch (segments never attend to each other);
+// the LM head runs only at completion positions, in chunks of `chunk` rows.
+std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
+                                                    const LoraAdapter* adapter,
+                                                    const std::vector<LogprobItem>& items,
+                                                    double temperature, std::int64_t chunk = 2048);
+
+struct GenerateOptions {
+  std::int64_t max_new_tokens = 16;
+  double temperature = 0.0;  // 0 = greedy
+  std::uint64_t seed = 0;
+  std::vector<std::int64_t> stop_ids;  // generation ends after emitting one of these
+};
+
+struct GenerateResult {
+  std::vector<std::int64_t> ids;
+  std::vector<float> logprobs;  // processed logprob of each generated token (greedy: T = 1)
+  bool stopped = false;         // true: a stop id ended it; false: max_new_tokens
+};
+
+// Prefill + incremental decode with a KV cache, one sequence.
+GenerateResult generate(const Qwen2Model& model, const LoraAdapter* adapter,
+                        const std::vector<std::int64_t>& prompt, const GenerateOptions& opt);
+
+// Validates ids against the vocabulary; InvalidInput naming `what`, the index and the value.
+void check_token_ids(const std::vector<std::int64_t>& ids, std::int64_t vocab, const char* what);
+
+}  // namespace lorasync::model

@@ -1,0 +1,365 @@
+#include "core/model/lora.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "core/io/safetensors.h"
+#include "util/error.h"
+#include "util/files.h"
+
+namespace lorasync::model {
+
+namespace {
+
+constexpr std::string_view kModuleNames[kNumLoraModules] = {
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+
+std::string peft_key(std::int64_t layer, LoraModule m, char ab) {
+  const bool attn = m == LoraModule::kQ || m == LoraModule::kK || m == LoraModule::kV ||
+                    m == LoraModule::kO;
+  return "base_model.model.model.layers." + std::to_string(layer) + (attn ? ".self_attn." : ".mlp.") +
+         std::string(lora_module_name(m)) + ".lora_" + ab + ".weight";
+}
+
+}  // namespace
+
+std::string_view lora_module_name(LoraModule m) { return kModuleNames[static_cast<int>(m)]; }
+
+std::optional<LoraModule> parse_lora_module(std::string_view name) {
+  for (int i = 0; i < kNumLoraModules; ++i)
+    if (kModuleNames[i] == name) return static_cast<LoraModule>(i);
+  return std::nullopt;
+}
+
+std::pair<std::int64_t, std::int64_t> lora_module_shape(const Qwen2Config& c, LoraModule m) {
+  const auto d = c.hidden_size;
+  switch (m) {
+    case LoraModule::kQ: return {d, c.q_dim()};
+    case LoraModule::kK:
+    case LoraModule::kV: return {d, c.kv_dim()};
+    case LoraModule::kO: return {c.q_dim(), d};
+    case LoraModule::kGate:
+    case LoraModule::kUp: return {d, c.intermediate_size};
+    case LoraModule::kDown: return {c.intermediate_size, d};
+  }
+  return {0, 0};
+}
+
+double LoraConfig::scaling() const {
+  return use_rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+}
+
+bool LoraConfig::targets_module(LoraModule m) const {
+  for (auto t : targets)
+    if (t == m) return true;
+  return false;
+}
+
+std::vector<LoraModule> LoraConfig::parse_targets(const std::vector<std::string>& names) {
+  std::vector<LoraModule> out;
+  auto add = [&](LoraModule m) {
+    for (auto t : out)
+      if (t == m) return;
+    out.push_back(m);
+  };
+  for (const auto& raw : names) {
+    std::string n = raw;
+    if (n == "all-linear") {
+      for (int i = 0; i < kNumLoraModules; ++i) add(static_cast<LoraModule>(i));
+      continue;
+    }
+    // Accept "q", "q_proj" and dotted paths ending in a module name.
+    if (auto dot = n.rfind('.'); dot != std::string::npos) n = n.substr(dot + 1);
+    auto m = parse_lora_module(n);
+    if (!m) m = parse_lora_module(n + "_proj");
+    if (!m)
+      throw_invalid(
+          "LoRA target module '{}' is not supported (use q_proj, k_proj, v_proj, o_proj, "
+          "gate_proj, up_proj, down_proj or all-linear)",
+          raw);
+    add(*m);
+  }
+  if (out.empty()) throw_invalid("LoRA target_modules is empty");
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+LoraConfig LoraConfig::from_peft_json(const std::string& text, const std::string& label) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw_invalid("{}: not valid JSON: {}", label, e.what());
+  }
+  if (!j.is_object()) throw_invalid("{}: must be a JSON object", label);
+  LoraConfig c;
+  auto peft_type = j.value("peft_type", std::string("LORA"));
+  if (peft_type != "LORA") throw_invalid("{}: peft_type '{}' is not LORA", label, peft_type);
+  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<std::int64_t>() <= 0)
+    throw_invalid("{}: 'r' must be a positive integer", label);
+  c.rank = j["r"].get<std::int64_t>();
+  if (j.contains("lora_alpha")) {
+    if (!j["lora_alpha"].is_number()) throw_invalid("{}: 'lora_alpha' must be a number", label);
+    c.alpha = j["lora_alpha"].get<double>();
+  } else {
+    c.alpha = 8;  // PEFT's default
+  }
+  if (j.value("use_dora", false)) throw_invalid("{}: DoRA adapters (use_dora) are not supported", label);
+  if (j.contains("modules_to_save") && !j["modules_to_save"].is_null() &&
+      !(j["modules_to_save"].is_array() && j["modules_to_save"].empty()))
+    throw_invalid("{}: modules_to_save {} is not supported (only LoRA deltas can be served)", label,
+                  j["modules_to_save"].dump());
+  if (j.contains("bias") && j["bias"].is_string() && j["bias"].get<std::string>() != "none")
+    throw_invalid("{}: bias '{}' is not supported (only \"none\")", label, j["bias"].get<std::string>());
+  if (j.value("fan_in_fan_out", false))
+    throw_invalid("{}: fan_in_fan_out adapters are not supported", label);
+  for (const char* k : {"rank_pattern", "alpha_pattern"})
+    if (j.contains(k) && j[k].is_object() && !j[k].empty())
+      throw_invalid("{}: '{}' is not supported (one rank and alpha for every module)", label, k);
+  if (j.contains("layers_to_transform") && !j["layers_to_transform"].is_null())
+    throw_invalid("{}: 'layers_to_transform' is not supported", label);
+  double dropout = j.value("lora_dropout", 0.0);
+  (void)dropout;  // inference ignores dropout; the trainer refuses non-zero dropout itself
+  c.use_rslora = j.value("use_rslora", false);
+  std::vector<std::string> names;
+  if (!j.contains("target_modules") || j["target_modules"].is_null())
+    throw_invalid("{}: 'target_modules' is missing", label);
+  if (j["target_modules"].is_string()) {
+    names.push_back(j["target_modules"].get<std::string>());
+  } else if (j["target_modules"].is_array()) {
+    for (const auto& t : j["target_modules"]) {
+      if (!t.is_string()) throw_invalid("{}: target_modules entries must be strings", label);
+      names.push_back(t.get<std::string>());
+    }
+  } else {
+    throw_invalid("{}: target_modules must be a string or a list", label);
+  }
+  c.targets = parse_targets(names);
+  c.base_model_name_or_path = j.value("base_model_name_or_path", std::string());
+  return c;
+}
+
+std::string LoraConfig::to_peft_json() const {
+  nlohmann::ordered_json j;
+  std::vector<std::string> names;
+  for (auto t : targets) names.emplace_back(lora_module_name(t));
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["base_model_name_or_path"] = base_model_name_or_path;
+  j["r"] = rank;
+  j["lora_alpha"] = alpha;
+  j["lora_dropout"] = 0.0;
+  j["target_modules"] = names;
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["use_dora"] = false;
+  j["use_rslora"] = use_rslora;
+  j["modules_to_save"] = nullptr;
+  j["init_lora_weights"] = true;
+  j["inference_mode"] = true;
+  j["revision"] = nullptr;
+  return j.dump(2) + "\n";
+}
+
+LoraAdapter LoraAdapter::init(const LoraConfig& cfg, const Qwen2Config& model, std::uint64_t seed,
+                              c10::Device device) {
+  if (cfg.rank <= 0) throw_invalid("LoRA rank must be positive, got {}", cfg.rank);
+  LoraAdapter a;
+  a.cfg_ = cfg;
+  a.a_.resize(static_cast<std::size_t>(model.num_hidden_layers));
+  a.b_.resize(static_cast<std::size_t>(model.num_hidden_layers));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  for (std::int64_t l = 0; l < model.num_hidden_layers; ++l)
+    for (auto m : cfg.targets) {
+      auto [in, out] = lora_module_shape(model, m);
+      // kaiming_uniform_(a=sqrt(5)): bound = sqrt(6 / ((1 + 5) * fan_in)) = 1 / sqrt(fan_in).
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+      auto A = at::empty({cfg.rank, in}, f32);
+      A.uniform_(-bound, bound, gen);
+      a.A(l, m) = A.to(device);
+      a.B(l, m) = at::zeros({out, cfg.rank}, f32.device(device));
+    }
+  return a;
+}
+
+const at::Tensor& LoraAdapter::A(std::int64_t layer, LoraModule m) const {
+  return a_.at(static_cast<std::size_t>(layer))[static_cast<std::size_t>(m)];
+}
+const at::Tensor& LoraAdapter::B(std::int64_t layer, LoraModule m) const {
+  return b_.at(static_cast<std::size_t>(layer))[static_cast<std::size_t>(m)];
+}
+at::Tensor& LoraAdapter::A(std::int64_t layer, LoraModule m) {
+  return a_.at(static_cast<std::size_t>(layer))[static_cast<std::size_t>(m)];
+}
+at::Tensor& LoraAdapter::B(std::int64_t layer, LoraModule m) {
+  return b_.at(static_cast<std::size_t>(layer))[static_cast<std::size_t>(m)];
+}
+
+std::vector<at::Tensor> LoraAdapter::parameters() const {
+  std::vector<at::Tensor> out;
+  for (std::size_t l = 0; l < a_.size(); ++l)
+    for (int m = 0; m < kNumLoraModules; ++m)
+      if (a_[l][static_cast<std::size_t>(m)].defined()) {
+        out.push_back(a_[l][static_cast<std::size_t>(m)]);
+        out.push_back(b_[l][static_cast<std::size_t>(m)]);
+      }
+  return out;
+}
+
+std::int64_t LoraAdapter::n_params() const {
+  std::int64_t n = 0;
+  for (const auto& t : parameters()) n += t.numel();
+  return n;
+}
+
+void LoraAdapter::set_requires_grad(bool on) {
+  for (auto& t : parameters()) const_cast<at::Tensor&>(t).requires_grad_(on);
+}
+
+LoraAdapter LoraAdapter::clone() const {
+  LoraAdapter c;
+  c.cfg_ = cfg_;
+  c.a_ = a_;
+  c.b_ = b_;
+  for (auto* v : {&c.a_, &c.b_})
+    for (auto& row : *v)
+      for (auto& t : row)
+        if (t.defined()) t = t.detach().clone();
+  return c;
+}
+
+LoraAdapter LoraAdapter::to(c10::Device device) const {
+  LoraAdapter c = clone();
+  for (auto* v : {&c.a_, &c.b_})
+    for (auto& row : *v)
+      for (auto& t : row)
+        if (t.defined()) t = t.to(device);
+  return c;
+}
+
+void LoraAdapter::save_peft(const std::filesystem::path& dir, bool atomic) const {
+  std::filesystem::create_directories(dir);
+  std::vector<at::Tensor> keep;  // contiguous CPU fp32 copies that back the spans
+  std::vector<io::TensorToWrite> ts;
+  for (std::int64_t l = 0; l < n_layers(); ++l)
+    for (auto m : cfg_.targets)
+      for (char ab : {'A', 'B'}) {
+        const at::Tensor& t = ab == 'A' ? A(l, m) : B(l, m);
+        auto c = t.detach().to(at::kCPU).to(at::kFloat).contiguous();
+        keep.push_back(c);
+        ts.push_back({peft_key(l, m, ab), io::DType::kF32, c.sizes().vec(),
+                      {static_cast<const std::uint8_t*>(c.data_ptr()), static_cast<std::size_t>(c.nbytes())}});
+      }
+  io::write_safetensors(dir / "adapter_model.safetensors", ts, {{"format", "pt"}}, atomic);
+  if (atomic) write_file_atomic(dir / "adapter_config.json", cfg_.to_peft_json());
+  else write_file_durable(dir / "adapter_config.json", cfg_.to_peft_json());
+}
+
+LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const Qwen2Config& model,
+                                   c10::Device device, std::int64_t max_rank) {
+  auto cfg_path = dir / "adapter_config.json";
+  LoraAdapter a;
+  a.cfg_ = LoraConfig::from_peft_json(read_file(cfg_path), cfg_path.string());
+  if (max_rank > 0 && a.cfg_.rank > max_rank)
+    throw_invalid("{}: LoRA rank {} is above this server's max_lora_rank {}", dir.string(),
+                  a.cfg_.rank, max_rank);
+  auto st_path = dir / "adapter_model.safetensors";
+  io::SafetensorsFile st(st_path);
+  const auto L = model.num_hidden_layers;
+  a.a_.assign(static_cast<std::size_t>(L), {});
+  a.b_.assign(static_cast<std::size_t>(L), {});
+  std::set<std::string> used;
+  auto load = [&](const std::string& key, std::vector<std::int64_t> shape) -> at::Tensor {
+    const io::TensorView* v = st.find(key);
+    std::string alt = key;
+    if (v == nullptr) {  // PEFT in-memory naming with the adapter name
+      alt.replace(alt.rfind(".weight"), 7, ".default.weight");
+      v = st.find(alt);
+    }
+    if (v == nullptr) throw_invalid("{}: tensor '{}' is missing", st_path.string(), key);
+    used.insert(v->name);
+    if (v->shape != shape)
+      throw_invalid("{}: tensor '{}' has shape [{}], the base model needs [{}, {}]", st_path.string(),
+                    v->name, fmt::join(v->shape, ", "), shape[0], shape[1]);
+    c10::ScalarType st_type;
+    switch (v->dtype) {
+      case io::DType::kF32: st_type = at::kFloat; break;
+      case io::DType::kF16: st_type = at::kHalf; break;
+      case io::DType::kBF16: st_type = at::kBFloat16; break;
+      case io::DType::kF64: st_type = at::kDouble; break;
+      default:
+        throw_invalid("{}: tensor '{}' has dtype {}, expected a float type", st_path.string(),
+                      v->name, io::dtype_name(v->dtype));
+    }
+    auto t = at::from_blob(const_cast<std::uint8_t*>(v->data), v->shape,
+                           at::TensorOptions().dtype(st_type));
+    auto f = t.to(at::kFloat).clone();
+    if (!at::isfinite(f).all().item<bool>())
+      throw_invalid("{}: tensor '{}' holds NaN or infinite values", st_path.string(), v->name);
+    return f.to(device);
+  };
+  for (std::int64_t l = 0; l < L; ++l)
+    for (auto m : a.cfg_.targets) {
+      auto [in, out] = lora_module_shape(model, m);
+      a.A(l, m) = load(peft_key(l, m, 'A'), {a.cfg_.rank, in});
+      a.B(l, m) = load(peft_key(l, m, 'B'), {out, a.cfg_.rank});
+    }
+  for (const auto& t : st.tensors())
+    if (!used.count(t.name))
+      throw_invalid(
+          "{}: tensor '{}' does not belong to a targeted module of this base model ({} layers, "
+          "targets from adapter_config.json)",
+          st_path.string(), t.name, L);
+  return a;
+}
+
+LoraBatch LoraBatch::all(const LoraAdapter* adapter) {
+  LoraBatch b;
+  if (adapter != nullptr) b.parts_.push_back({adapter, at::Tensor()});
+  return b;
+}
+
+LoraBatch LoraBatch::from_row_slots(const std::vector<const LoraAdapter*>& adapters,
+                                    const std::vector<int>& slot_of_row, c10::Device device) {
+  LoraBatch b;
+  std::map<int, std::vector<std::int64_t>> rows;
+  for (std::size_t r = 0; r < slot_of_row.size(); ++r)
+    if (slot_of_row[r] >= 0) rows[slot_of_row[r]].push_back(static_cast<std::int64_t>(r));
+  for (auto& [slot, idx] : rows) {
+    const LoraAdapter* a = adapters.at(static_cast<std::size_t>(slot));
+    if (a == nullptr) continue;
+    if (idx.size() == slot_of_row.size()) {
+      b.parts_.push_back({a, at::Tensor()});
+    } else {
+      b.parts_.push_back({a, at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(device)});
+    }
+  }
+  return b;
+}
+
+at::Tensor LoraBatch::apply(const at::Tensor& x, at::Tensor y, std::int64_t layer,
+                            LoraModule m) const {
+  for (const auto& p : parts_) {
+    if (!p.adapter->config().targets_module(m)) continue;
+    const auto& A = p.adapter->A(layer, m);
+    const auto& B = p.adapter->B(layer, m);
+    const double s = p.adapter->config().scaling();
+    auto a = A.to(x.scalar_type());
+    auto b = B.to(x.scalar_type());
+    if (!p.rows.defined()) {
+      y = y + at::linear(at::linear(x, a), b) * s;
+    } else {
+      auto xs = x.index_select(0, p.rows);
+      y = y.index_add(0, p.rows, at::linear(at::linear(xs, a), b) * s);
+    }
+  }
+  return y;
+}
+
+}  // namespace lorasync::model

@@ -1,0 +1,114 @@
+// core/model/lora.h: LoRA adapters in the PEFT format, and how a batch applies them.
+//
+// For a targeted linear layer W (out x in): h = W x + s * B (A x), A [r, in], B [out, r],
+// s = alpha / r (alpha / sqrt(r) with use_rslora). A is initialised like PEFT (Kaiming-uniform
+// with a = sqrt(5), i.e. uniform in +-1/sqrt(in)), B is zero, so a new adapter reproduces the base
+// model. Masters are fp32; the forward casts them to the compute dtype.
+//
+// PEFT files (adapter-protocol.md): adapter_config.json and adapter_model.safetensors with keys
+//   base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight
+//   base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+// Loading validates the config (LORA, no DoRA, no modules_to_save, no patterns, bias none) and
+// every shape against the base model, with errors naming the key and the shapes.
+//
+// LoraBatch: which rows of a flat token batch use which adapter (none = base model). One forward
+// applies every adapter of the batch: per adapter, gather its rows, two thin GEMMs, scatter-add.
+//
+// Thread-safety: a LoraAdapter is a value; concurrent reads are safe, writes need ownership.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/model/qwen2_config.h"
+
+namespace lorasync::model {
+
+enum class LoraModule : int { kQ = 0, kK, kV, kO, kGate, kUp, kDown };
+inline constexpr int kNumLoraModules = 7;
+
+std::string_view lora_module_name(LoraModule m);  // "q_proj", ...
+std::optional<LoraModule> parse_lora_module(std::string_view name);
+// (in_features, out_features) of a module for a model configuration.
+std::pair<std::int64_t, std::int64_t> lora_module_shape(const Qwen2Config& c, LoraModule m);
+
+struct LoraConfig {
+  std::int64_t rank = 1;                 // r
+  double alpha = 2.0;                    // lora_alpha
+  bool use_rslora = false;               // scaling alpha / sqrt(r) instead of alpha / r
+  std::vector<LoraModule> targets;       // targeted projections (all seven = "all-linear")
+  std::string base_model_name_or_path;   // recorded in adapter_config.json
+
+  double scaling() const;
+  bool targets_module(LoraModule m) const;
+  // "all-linear", a comma list, or names; InvalidInput naming the bad module.
+  static std::vector<LoraModule> parse_targets(const std::vector<std::string>& names);
+  // Parses and validates adapter_config.json text; `label` names the file in errors.
+  static LoraConfig from_peft_json(const std::string& text, const std::string& label);
+  std::string to_peft_json() const;
+};
+
+class LoraAdapter {
+ public:
+  LoraAdapter() = default;
+
+  // A fresh adapter: A Kaiming-uniform (seeded, generated on CPU so every device agrees), B zero.
+  static LoraAdapter init(const LoraConfig& cfg, const Qwen2Config& model, std::uint64_t seed,
+                          c10::Device device);
+  // Loads a PEFT directory, validated against `model`. max_rank > 0 refuses larger ranks.
+  static LoraAdapter load_peft(const std::filesystem::path& dir, const Qwen2Config& model,
+                               c10::Device device, std::int64_t max_rank = 0);
+  // Writes adapter_config.json + adapter_model.safetensors (fp32). atomic=false writes in place
+  // with fsync (for a staging directory that is renamed afterwards).
+  void save_peft(const std::filesystem::path& dir, bool atomic = true) const;
+
+  const LoraConfig& config() const { return cfg_; }
+  std::int64_t n_layers() const { return static_cast<std::int64_t>(a_.size()); }
+  // Undefined tensors for modules that are not targeted.
+  const at::Tensor& A(std::int64_t layer, LoraModule m) const;
+  const at::Tensor& B(std::int64_t layer, LoraModule m) const;
+  at::Tensor& A(std::int64_t layer, LoraModule m);
+  at::Tensor& B(std::int64_t layer, LoraModule m);
+
+  std::vector<at::Tensor> parameters() const;  // A, B in (layer, module) order
+  std::int64_t n_params() const;
+  void set_requires_grad(bool on);
+  LoraAdapter clone() const;  // deep copy, detached (snapshots)
+  LoraAdapter to(c10::Device device) const;
+
+ private:
+  LoraConfig cfg_;
+  std::vector<std::array<at::Tensor, kNumLoraModules>> a_, b_;
+};
+
+// Which rows of a flat batch use which adapter.
+struct LoraRows {
+  const LoraAdapter* adapter = nullptr;
+  at::Tensor rows;  // int64 row indices on the device; undefined = every row of the batch
+};
+
+class LoraBatch {
+ public:
+  LoraBatch() = default;
+  // Every row uses `adapter`.
+  static LoraBatch all(const LoraAdapter* adapter);
+  // Row r uses adapters[slot_of_row[r]]; slot -1 = base model. Groups rows by adapter.
+  static LoraBatch from_row_slots(const std::vector<const LoraAdapter*>& adapters,
+                                  const std::vector<int>& slot_of_row, c10::Device device);
+  bool empty() const { return parts_.empty(); }
+  const std::vector<LoraRows>& parts() const { return parts_; }
+  // y + the LoRA deltas of every adapter that targets `m` at `layer`, for input x [T, in].
+  at::Tensor apply(const at::Tensor& x, at::Tensor y, std::int64_t layer, LoraModule m) const;
+
+ private:
+  std::vector<LoraRows> parts_;
+};
+
+}  // namespace lorasync::model

@@ -1,0 +1,354 @@
+#include "core/model/qwen2_model.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+#include <limits>
+
+#include "core/io/checkpoint_dir.h"
+#include "util/error.h"
+#include "util/log.h"
+
+namespace lorasync::model {
+
+namespace {
+
+c10::ScalarType to_scalar(io::DType d, const std::string& name) {
+  switch (d) {
+    case io::DType::kF64: return c10::kDouble;
+    case io::DType::kF32: return c10::kFloat;
+    case io::DType::kF16: return c10::kHalf;
+    case io::DType::kBF16: return c10::kBFloat16;
+    case io::DType::kI64: return c10::kLong;
+    case io::DType::kI32: return c10::kInt;
+    case io::DType::kI16: return c10::kShort;
+    case io::DType::kI8: return c10::kChar;
+    case io::DType::kU8: return c10::kByte;
+    case io::DType::kBool: return c10::kBool;
+  }
+  throw_invalid("tensor '{}': unknown dtype", name);
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+Batch make_batch(const std::vector<std::vector<std::int64_t>>& seqs,
+                 const std::vector<std::int64_t>& pasts, c10::Device device) {
+  Batch b;
+  std::vector<std::int64_t> toks, pos;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    std::int64_t past = pasts.empty() ? 0 : pasts.at(i);
+    Segment s{static_cast<std::int64_t>(toks.size()), static_cast<std::int64_t>(seqs[i].size()), past};
+    for (std::size_t j = 0; j < seqs[i].size(); ++j) {
+      toks.push_back(seqs[i][j]);
+      pos.push_back(past + static_cast<std::int64_t>(j));
+    }
+    b.segs.push_back(s);
+  }
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  b.tokens = at::tensor(toks, opts).to(device);
+  b.positions = at::tensor(pos, opts).to(device);
+  return b;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto x32 = x.to(at::kFloat);
+  auto var = x32.pow(2).mean(-1, /*keepdim=*/true);
+  x32 = x32 * at::rsqrt(var + eps);
+  return weight * x32.to(x.scalar_type());
+}
+
+at::Tensor rope_inv_freq(std::int64_t head_dim, double theta, c10::Device device) {
+  // 1 / theta^(arange(0, d, 2) / d), in fp32, as transformers computes it.
+  auto idx = at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat);
+  auto expo = idx / static_cast<float>(head_dim);
+  auto base = at::full({}, theta, at::TensorOptions().dtype(at::kFloat));
+  return (1.0 / at::pow(base, expo)).to(device);
+}
+
+std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, hd/2]
+  auto emb = at::cat({freqs, freqs}, -1);                                         // [T, hd]
+  return {emb.cos(), emb.sin()};
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  // x [T, H, hd]; cos/sin [T, hd] -> broadcast over heads.
+  const auto half = x.size(-1) / 2;
+  auto c = cos.to(x.scalar_type()).unsqueeze(1);
+  auto s = sin.to(x.scalar_type()).unsqueeze(1);
+  auto x1 = x.narrow(-1, 0, half);
+  auto x2 = x.narrow(-1, half, half);
+  auto rot = at::cat({-x2, x1}, -1);
+  return x * c + rot * s;
+}
+
+at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             std::int64_t past) {
+  const auto L = q.size(0), nh = q.size(1), hd = q.size(2);
+  const auto S = k.size(0), nkv = k.size(1);
+  const auto g = nh / nkv;
+  auto qh = q.view({L, nkv, g, hd}).permute({1, 2, 0, 3});   // [nkv, g, L, hd]
+  auto kh = k.permute({1, 0, 2}).unsqueeze(1);                // [nkv, 1, S, hd]
+  auto vh = v.permute({1, 0, 2}).unsqueeze(1);                // [nkv, 1, S, hd]
+  auto scores = at::matmul(qh, kh.transpose(-1, -2)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  if (L > 1 || past + L < S) {
+    // Key j is visible to query i iff j <= past + i.
+    auto mask = at::ones({L, S}, at::TensorOptions().dtype(at::kBool).device(q.device()))
+                    .triu(past + 1);  // true above the allowed diagonal
+    scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  }
+  auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  auto out = at::matmul(probs, vh);                           // [nkv, g, L, hd]
+  return out.permute({2, 0, 1, 3}).reshape({L, nh * hd});
+}
+
+Qwen2Model::Qwen2Model(Qwen2Config cfg, c10::ScalarType dtype, c10::Device device)
+    : cfg_(std::move(cfg)), dtype_(dtype), device_(device) {
+  inv_freq_ = rope_inv_freq(cfg_.head_dim, cfg_.rope_theta, device_);
+}
+
+std::unique_ptr<Qwen2Model> Qwen2Model::from_named(const Qwen2Config& cfg, const NamedTensors& named,
+                                                   c10::ScalarType dtype, c10::Device device,
+                                                   const std::string& label) {
+  std::unique_ptr<Qwen2Model> m(new Qwen2Model(cfg, dtype, device));
+  std::unordered_map<std::string, const at::Tensor*> by_name;
+  for (const auto& [n, t] : named) by_name[n] = &t;
+  std::size_t used = 0;
+  auto take = [&](const std::string& name, std::vector<std::int64_t> shape) -> at::Tensor {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) throw_invalid("{}: weight '{}' is missing", label, name);
+    const at::Tensor& t = *it->second;
+    if (t.sizes() != at::IntArrayRef(shape))
+      throw_invalid("{}: weight '{}' has shape {}, the config needs {}", label, name,
+                    shape_str(t.sizes()), shape_str(shape));
+    ++used;
+    // Always a private copy in the compute dtype: weights never alias a file mapping.
+    return t.to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false,
+                /*copy=*/true);
+  };
+  const auto d = cfg.hidden_size, I = cfg.intermediate_size, V = cfg.vocab_size;
+  const auto qd = cfg.q_dim(), kvd = cfg.kv_dim();
+  m->embed_ = take("model.embed_tokens.weight", {V, d});
+  m->final_norm_ = take("model.norm.weight", {d});
+  if (!cfg.tie_word_embeddings) {
+    m->lm_head_ = take("lm_head.weight", {V, d});
+  } else if (by_name.count("lm_head.weight")) {
+    ++used;  // tied: a stored copy is ignored, as transformers does
+  }
+  for (std::int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    Layer L;
+    L.input_norm = take(p + "input_layernorm.weight", {d});
+    L.q_w = take(p + "self_attn.q_proj.weight", {qd, d});
+    L.q_b = take(p + "self_attn.q_proj.bias", {qd});
+    L.k_w = take(p + "self_attn.k_proj.weight", {kvd, d});
+    L.k_b = take(p + "self_attn.k_proj.bias", {kvd});
+    L.v_w = take(p + "self_attn.v_proj.weight", {kvd, d});
+    L.v_b = take(p + "self_attn.v_proj.bias", {kvd});
+    L.o_w = take(p + "self_attn.o_proj.weight", {d, qd});
+    L.post_norm = take(p + "post_attention_layernorm.weight", {d});
+    L.gate_w = take(p + "mlp.gate_proj.weight", {I, d});
+    L.up_w = take(p + "mlp.up_proj.weight", {I, d});
+    L.down_w = take(p + "mlp.down_proj.weight", {d, I});
+    m->layers_.push_back(std::move(L));
+  }
+  if (used != named.size())
+    LS_LOG_WARN("model", "{}: {} of {} weights are not part of the Qwen2 architecture and were ignored",
+                label, named.size() - used, named.size());
+  return m;
+}
+
+std::unique_ptr<Qwen2Model> Qwen2Model::load(const std::filesystem::path& dir, c10::ScalarType dtype,
+                                             c10::Device device) {
+  auto cfg = Qwen2Config::load(dir);
+  auto ws = io::open_weights(dir);
+  NamedTensors named;
+  for (const auto& name : ws.names()) {
+    const auto& v = ws.get(name);
+    auto t = at::from_blob(const_cast<std::uint8_t*>(v.data), v.shape,
+                           at::TensorOptions().dtype(to_scalar(v.dtype, name)));
+    named.emplace_back(name, t);
+  }
+  return from_named(cfg, named, dtype, device, dir.string());
+}
+
+at::Tensor Qwen2Model::attention(std::int64_t l, const at::Tensor& x, const Batch& batch,
+                                 const at::Tensor& cos, const at::Tensor& sin,
+                                 const LoraBatch* lora, KvPool* kv, const AttnMeta* meta) const {
+  const Layer& L = layers_[static_cast<std::size_t>(l)];
+  const auto T = x.size(0), nh = cfg_.num_attention_heads, nkv = cfg_.num_key_value_heads,
+             hd = cfg_.head_dim;
+  auto proj = [&](const at::Tensor& w, const at::Tensor& b, LoraModule m) {
+    auto y = at::linear(x, w, b);
+    return lora ? lora->apply(x, std::move(y), l, m) : y;
+  };
+  auto q = apply_rope(proj(L.q_w, L.q_b, LoraModule::kQ).view({T, nh, hd}), cos, sin);
+  auto k = apply_rope(proj(L.k_w, L.k_b, LoraModule::kK).view({T, nkv, hd}), cos, sin);
+  auto v = proj(L.v_w, L.v_b, LoraModule::kV).view({T, nkv, hd});
+
+  at::Tensor out;
+  if (kv != nullptr) {
+    auto& kp = kv->k[static_cast<std::size_t>(l)];
+    auto& vp = kv->v[static_cast<std::size_t>(l)];
+    kp.index_copy_(0, meta->slot_mapping, k);
+    vp.index_copy_(0, meta->slot_mapping, v);
+    if (meta->decode_slots.defined()) {
+      // Pure decode: one padded batched attention over B sequences.
+      const auto B = meta->decode_slots.size(0), Lmax = meta->decode_slots.size(1), g = nh / nkv;
+      auto flat = meta->decode_slots.reshape({-1});
+      auto K = kp.index_select(0, flat).view({B, Lmax, nkv, hd}).permute({0, 2, 1, 3}).unsqueeze(2);
+      auto Vv = vp.index_select(0, flat).view({B, Lmax, nkv, hd}).permute({0, 2, 1, 3}).unsqueeze(2);
+      auto qh = q.view({B, nkv, g, 1, hd});
+      auto scores = at::matmul(qh, K.transpose(-1, -2)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+      scores = scores + meta->decode_bias.view({B, 1, 1, 1, Lmax}).to(scores.scalar_type());
+      auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+      out = at::matmul(probs, Vv).reshape({B, nh * hd});  // [B, nkv, g, 1, hd] -> [B, nh*hd]
+    } else {
+      std::vector<at::Tensor> parts;
+      parts.reserve(batch.segs.size());
+      for (std::size_t i = 0; i < batch.segs.size(); ++i) {
+        const auto& s = batch.segs[i];
+        auto qs = q.narrow(0, s.begin, s.len);
+        if (s.past == 0) {
+          parts.push_back(segment_attention(qs, k.narrow(0, s.begin, s.len),
+                                            v.narrow(0, s.begin, s.len), 0));
+        } else {
+          const auto& ctx = meta->context_slots.at(i);
+          parts.push_back(segment_attention(qs, kp.index_select(0, ctx), vp.index_select(0, ctx), s.past));
+        }
+      }
+      out = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+    }
+  } else {
+    std::vector<at::Tensor> parts;
+    parts.reserve(batch.segs.size());
+    for (const auto& s : batch.segs)
+      parts.push_back(segment_attention(q.narrow(0, s.begin, s.len), k.narrow(0, s.begin, s.len),
+                                        v.narrow(0, s.begin, s.len), 0));
+    out = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+  }
+  auto y = at::linear(out, L.o_w);
+  return lora ? lora->apply(out, std::move(y), l, LoraModule::kO) : y;
+}
+
+at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool* kv,
+                               const AttnMeta* meta) const {
+  LS_CHECK((kv == nullptr) == (meta == nullptr), "kv and meta go together");
+  if (lora != nullptr && lora->empty()) lora = nullptr;
+  auto [cos, sin] = rope_cos_sin(batch.positions, inv_freq_);
+  auto h = at::embedding(embed_, batch.tokens);  // [T, d]
+  for (std::int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
+    const Layer& L = layers_[static_cast<std::size_t>(l)];
+    auto x = rms_norm(h, L.input_norm, cfg_.rms_norm_eps);
+    h = h + attention(l, x, batch, cos, sin, lora, kv, meta);
+    x = rms_norm(h, L.post_norm, cfg_.rms_norm_eps);
+    auto gate = at::linear(x, L.gate_w);
+    auto up = at::linear(x, L.up_w);
+    if (lora) {
+      gate = lora->apply(x, std::move(gate), l, LoraModule::kGate);
+      up = lora->apply(x, std::move(up), l, LoraModule::kUp);
+    }
+    auto act = at::silu(gate) * up;
+    auto down = at::linear(act, L.down_w);
+    if (lora) down = lora->apply(act, std::move(down), l, LoraModule::kDown);
+    h = h + down;
+  }
+  return rms_norm(h, final_norm_, cfg_.rms_norm_eps);
+}
+
+at::Tensor Qwen2Model::logits(const at::Tensor& hidden) const {
+  return at::linear(hidden, lm_head_weight()).to(at::kFloat);
+}
+
+at::Tensor& Qwen2Model::module_weight(std::int64_t layer, LoraModule m) {
+  Layer& L = layers_.at(static_cast<std::size_t>(layer));
+  switch (m) {
+    case LoraModule::kQ: return L.q_w;
+    case LoraModule::kK: return L.k_w;
+    case LoraModule::kV: return L.v_w;
+    case LoraModule::kO: return L.o_w;
+    case LoraModule::kGate: return L.gate_w;
+    case LoraModule::kUp: return L.up_w;
+    case LoraModule::kDown: return L.down_w;
+  }
+  LS_CHECK(false, "bad module");
+  return L.q_w;
+}
+
+void Qwen2Model::merge_lora(const LoraAdapter& adapter, double sign) {
+  const double s = adapter.config().scaling() * sign;
+  for (std::int64_t l = 0; l < adapter.n_layers(); ++l)
+    for (int mi = 0; mi < kNumLoraModules; ++mi) {
+      auto m = static_cast<LoraModule>(mi);
+      if (!adapter.config().targets_module(m)) continue;
+      auto delta = at::matmul(adapter.B(l, m).to(at::kFloat), adapter.A(l, m).to(at::kFloat)) * s;
+      at::Tensor& w = module_weight(l, m);
+      w.copy_((w.to(at::kFloat) + delta.to(w.device())).to(w.scalar_type()));
+    }
+}
+
+NamedTensors Qwen2Model::named_weights() const {
+  NamedTensors out;
+  out.emplace_back("model.embed_tokens.weight", embed_);
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const Layer& L = layers_[i];
+    out.emplace_back(p + "input_layernorm.weight", L.input_norm);
+    out.emplace_back(p + "self_attn.q_proj.weight", L.q_w);
+    out.emplace_back(p + "self_attn.q_proj.bias", L.q_b);
+    out.emplace_back(p + "self_attn.k_proj.weight", L.k_w);
+    out.emplace_back(p + "self_attn.k_proj.bias", L.k_b);
+    out.emplace_back(p + "self_attn.v_proj.weight", L.v_w);
+    out.emplace_back(p + "self_attn.v_proj.bias", L.v_b);
+    out.emplace_back(p + "self_attn.o_proj.weight", L.o_w);
+    out.emplace_back(p + "post_attention_layernorm.weight", L.post_norm);
+    out.emplace_back(p + "mlp.gate_proj.weight", L.gate_w);
+    out.emplace_back(p + "mlp.up_proj.weight", L.up_w);
+    out.emplace_back(p + "mlp.down_proj.weight", L.down_w);
+  }
+  out.emplace_back("model.norm.weight", final_norm_);
+  if (!cfg_.tie_word_embeddings) out.emplace_back("lm_head.weight", lm_head_);
+  return out;
+}
+
+NamedTensors random_weights(const Qwen2Config& cfg, std::uint64_t seed, c10::ScalarType dtype,
+                            double std) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  auto normal = [&](std::vector<std::int64_t> shape, double mean, double sd) {
+    auto t = at::empty(shape, f32);
+    t.normal_(mean, sd, gen);
+    return t.to(dtype);
+  };
+  const auto d = cfg.hidden_size, I = cfg.intermediate_size, V = cfg.vocab_size;
+  const auto qd = cfg.q_dim(), kvd = cfg.kv_dim();
+  NamedTensors out;
+  out.emplace_back("model.embed_tokens.weight", normal({V, d}, 0, std));
+  for (std::int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    out.emplace_back(p + "input_layernorm.weight", normal({d}, 1.0, 0.1));
+    out.emplace_back(p + "self_attn.q_proj.weight", normal({qd, d}, 0, std));
+    out.emplace_back(p + "self_attn.q_proj.bias", normal({qd}, 0, std));
+    out.emplace_back(p + "self_attn.k_proj.weight", normal({kvd, d}, 0, std));
+    out.emplace_back(p + "self_attn.k_proj.bias", normal({kvd}, 0, std));
+    out.emplace_back(p + "self_attn.v_proj.weight", normal({kvd, d}, 0, std));
+    out.emplace_back(p + "self_attn.v_proj.bias", normal({kvd}, 0, std));
+    out.emplace_back(p + "self_attn.o_proj.weight", normal({d, qd}, 0, std));
+    out.emplace_back(p + "post_attention_layernorm.weight", normal({d}, 1.0, 0.1));
+    out.emplace_back(p + "mlp.gate_proj.weight", normal({I, d}, 0, std));
+    out.emplace_back(p + "mlp.up_proj.weight", normal({I, d}, 0, std));
+    out.emplace_back(p + "mlp.down_proj.weight", normal({d, I}, 0, std));
+  }
+  out.emplace_back("model.norm.weight", normal({d}, 1.0, 0.1));
+  if (!cfg.tie_word_embeddings) out.emplace_back("lm_head.weight", normal({V, d}, 0, std));
+  return out;
+}
+
+}  // namespace lorasync::model

@@ -1,0 +1,128 @@
+// core/model/qwen2_model.h: the Qwen2 decoder in libtorch, numerically equal to Hugging Face
+// transformers' Qwen2 in fp32.
+//
+// Semantics (checked by tests against an independent implementation):
+//  - RMSNorm in fp32: x * rsqrt(mean(x^2) + eps), cast back to the input dtype, then * weight;
+//  - RoPE rotate-half (not interleaved): inv_freq = 1 / theta^(2i/d) in fp32, angle = pos * inv_freq,
+//    q' = q cos + rotate_half(q) sin, cos/sin over cat(angle, angle);
+//  - grouped-query attention with q/k/v bias, scale 1/sqrt(head_dim), softmax in fp32, KV head j
+//    serving query heads [j*g, (j+1)*g);
+//  - SwiGLU MLP down(silu(gate(x)) * up(x)); LM head tied to the embedding or separate.
+//
+// Batches are flat: tokens [T] with positions [T] and segments (one per sequence) that never
+// attend to each other. The same forward serves
+//  - training on packed rows (no KV cache; positions restart per segment),
+//  - batched prefill of variable-length prompts and incremental decode (KvPool + AttnMeta),
+//  - several LoRA adapters in one batch (LoraBatch).
+// Linear layers, norms and the MLP run on the whole [T, d] batch; attention runs per segment, or
+// as one padded batched call for pure decode steps.
+//
+// Weights live in the model dtype (fp32/bf16/fp16) on one device; logits are returned in fp32.
+// Thread-safety: forward() is const and may run concurrently on different inputs; merge_lora()
+// mutates weights and needs exclusive access.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/model/kv_cache.h"
+#include "core/model/lora.h"
+#include "core/model/qwen2_config.h"
+
+namespace lorasync::model {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Flat batch of new tokens.
+struct Batch {
+  at::Tensor tokens;           // int64 [T]
+  at::Tensor positions;        // int64 [T]
+  std::vector<Segment> segs;   // cover [0, T) in order
+  std::int64_t n_tokens() const { return tokens.defined() ? tokens.size(0) : 0; }
+};
+
+// Builds a batch from sequences of new token ids; pasts[i] = tokens of sequence i already cached
+// (positions start there). Empty pasts = all zero.
+Batch make_batch(const std::vector<std::vector<std::int64_t>>& seqs,
+                 const std::vector<std::int64_t>& pasts, c10::Device device);
+
+class Qwen2Model {
+ public:
+  struct Layer {
+    at::Tensor input_norm;                 // [d]
+    at::Tensor q_w, q_b, k_w, k_b, v_w, v_b, o_w;  // [q_dim,d] [q_dim] [kv,d] [kv] [kv,d] [kv] [d,q_dim]
+    at::Tensor post_norm;                  // [d]
+    at::Tensor gate_w, up_w, down_w;       // [I,d] [I,d] [d,I]
+  };
+
+  // Loads a Hugging Face directory (config.json + safetensors, sharded or not), converting weights
+  // to `dtype` on `device`. Errors name the directory, the tensor and the shapes.
+  static std::unique_ptr<Qwen2Model> load(const std::filesystem::path& dir, c10::ScalarType dtype,
+                                          c10::Device device);
+  // From named tensors with Hugging Face names (any dtype/device; converted).
+  static std::unique_ptr<Qwen2Model> from_named(const Qwen2Config& cfg, const NamedTensors& named,
+                                                c10::ScalarType dtype, c10::Device device,
+                                                const std::string& label = "weights");
+
+  const Qwen2Config& config() const { return cfg_; }
+  c10::ScalarType dtype() const { return dtype_; }
+  c10::Device device() const { return device_; }
+
+  // Final-normed hidden states [T, d] of every new token.
+  // kv/meta: both null (no cache: each segment attends to its own new tokens only) or both set.
+  at::Tensor forward(const Batch& batch, const LoraBatch* lora = nullptr, KvPool* kv = nullptr,
+                     const AttnMeta* meta = nullptr) const;
+  // LM head: hidden [N, d] -> fp32 logits [N, vocab].
+  at::Tensor logits(const at::Tensor& hidden) const;
+  // The LM head weight [vocab, d] (the embedding when tied).
+  const at::Tensor& lm_head_weight() const { return cfg_.tie_word_embeddings ? embed_ : lm_head_; }
+
+  // W += sign * s * B A for every targeted module (sign +1 merge, -1 unmerge). For checks.
+  void merge_lora(const LoraAdapter& adapter, double sign = 1.0);
+
+  // Weights with Hugging Face names (lm_head.weight only when untied).
+  NamedTensors named_weights() const;
+  const Layer& layer(std::int64_t i) const { return layers_.at(static_cast<std::size_t>(i)); }
+
+ private:
+  Qwen2Model(Qwen2Config cfg, c10::ScalarType dtype, c10::Device device);
+  at::Tensor attention(std::int64_t l, const at::Tensor& x, const Batch& batch,
+                       const at::Tensor& cos, const at::Tensor& sin, const LoraBatch* lora,
+                       KvPool* kv, const AttnMeta* meta) const;
+  at::Tensor& module_weight(std::int64_t layer, LoraModule m);
+
+  Qwen2Config cfg_;
+  c10::ScalarType dtype_;
+  c10::Device device_;
+  at::Tensor embed_;     // [vocab, d]
+  at::Tensor lm_head_;   // [vocab, d] when untied
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+  at::Tensor inv_freq_;  // fp32 [head_dim / 2]
+};
+
+// RMSNorm as Hugging Face computes it (exposed for tests).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// cos, sin [T, head_dim] (fp32) for positions [T].
+std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq);
+at::Tensor rope_inv_freq(std::int64_t head_dim, double theta, c10::Device device);
+// x [T, heads, head_dim]: x cos + rotate_half(x) sin (cos/sin cast to x's dtype).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// Causal attention of one segment: q [L, nh, hd], k/v [S, nkv, hd], query i sees keys j <= past+i
+// with S = past + L. Returns [L, nh * hd].
+at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             std::int64_t past);
+
+// Random weights with Hugging Face names, N(0, std) for matrices, biases and norm weights
+// perturbed around their defaults, generated on CPU from `seed` and stored in `dtype`.
+NamedTensors random_weights(const Qwen2Config& cfg, std::uint64_t seed, c10::ScalarType dtype,
+                            double std = 0.02);
+
+}  // namespace lorasync::model
