@@ -18,7 +18,16 @@
 
 namespace lorasync {
 
-enum class ErrorKind { kInvalidInput, kNotFound, kConflict, kEnvironment, kUnsupported, kInternal };
+enum class ErrorKind {
+  kInvalidInput,
+  kNotFound,
+  kConflict,
+  kEnvironment,
+  kUnsupported,
+  kInternal,
+  kForbidden,     // a path outside the allowed roots; 403
+  kUnavailable,   // capacity exhausted (all adapter slots busy, shutting down); 503/507
+};
 
 class Error : public std::runtime_error {
  public:

@@ -1,0 +1,52 @@
+// engine/adapter_store.h: reading an adapter version from the bucket (adapter-protocol.md,
+// loading side), off the engine thread.
+//
+//  1. The path is resolved (symlinks, "..") and must lie under one of the allowed roots
+//     (Forbidden otherwise; no roots = any path).
+//  2. With a manifest.json: every listed file must exist with its size and SHA-256, and the
+//     manifest's adapter_sha256 must match; anything missing or different means the version may
+//     still be arriving: NotFound "No adapter found for <path>: <why>" (callers retry).
+//     Without a manifest (an adapter made by PEFT or another trainer): missing or truncated files
+//     are NotFound the same way; the identity is computed from the files.
+//  3. The PEFT config and every tensor are validated against the base model (rank <= max_rank,
+//     targets, shapes, no DoRA or modules_to_save): InvalidInput naming the problem.
+//
+// adapter_sha256 = SHA-256 over the sorted (file name, file SHA-256) pairs, each pair written as
+// "<name>\0<hex>\n" (the same function the trainer's publisher uses; docs/formats.md).
+// Thread-safety: functions are reentrant.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/model/lora.h"
+#include "core/model/qwen2_config.h"
+
+namespace lorasync::engine {
+
+struct LoadedAdapter {
+  std::string name;      // the name it is served under (policy-v12)
+  std::string path;      // resolved directory
+  std::string sha256;    // adapter_sha256 (content identity)
+  std::shared_ptr<const model::LoraAdapter> weights;  // on the serving device
+};
+
+// adapter_sha256 from (file name -> file sha256) pairs.
+std::string adapter_digest(const std::map<std::string, std::string>& file_sha256);
+
+// Steps 1-3 above. `allowed_roots` empty = any path.
+LoadedAdapter read_adapter(const std::string& name, const std::string& path,
+                           const std::vector<std::string>& allowed_roots,
+                           const model::Qwen2Config& base, std::int64_t max_rank,
+                           c10::Device device);
+
+// Writes manifest.json for a directory holding PEFT files (the publisher's last step), durably.
+// Returns adapter_sha256.
+std::string write_adapter_manifest(const std::filesystem::path& dir, const std::string& name,
+                                   std::int64_t version, std::int64_t step,
+                                   const std::string& base_name, const std::string& base_sha256);
+
+}  // namespace lorasync::engine

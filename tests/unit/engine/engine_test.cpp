@@ -1,0 +1,463 @@
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/model/logprobs.h"
+#include "core/model/qwen2_model.h"
+#include "core/tokenizer/tokenizer.h"
+#include "engine/adapter_store.h"
+#include "engine/engine.h"
+#include "util/error.h"
+#include "util/files.h"
+
+namespace lorasync::engine {
+namespace {
+
+// Collects a request's output and lets the test wait for the end.
+class Collector : public RequestSink {
+ public:
+  void on_output(std::vector<ChoiceDelta> deltas, const RequestUsage& usage, bool done) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& d : deltas) {
+      auto& c = choices_[d.index];
+      for (auto& t : d.tokens) {
+        c.ids.push_back(t.id);
+        c.logprobs.push_back(t.logprob);
+      }
+      c.text += d.text;
+      if (d.finish != FinishReason::kNone) {
+        c.finish = d.finish;
+        c.error = d.error;
+      }
+    }
+    usage_ = usage;
+    done_ = done;
+    cv_.notify_all();
+  }
+  struct Choice {
+    std::vector<std::int32_t> ids;
+    std::vector<float> logprobs;
+    std::string text, error;
+    FinishReason finish = FinishReason::kNone;
+  };
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu_);
+    ASSERT_TRUE(cv_.wait_for(lk, std::chrono::seconds(120), [&] { return done_; })) << "request timed out";
+  }
+  const Choice& choice(int i) { return choices_[i]; }
+  std::size_t n_choices() const { return choices_.size(); }
+  RequestUsage usage() const { return usage_; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int, Choice> choices_;
+  RequestUsage usage_;
+  bool done_ = false;
+};
+
+struct Env {
+  std::shared_ptr<const model::Qwen2Model> model;
+  std::shared_ptr<const tok::Tokenizer> tokenizer;
+  model::Qwen2Config cfg;
+};
+
+Env& env() {
+  static Env* e = [] {
+    auto* x = new Env;
+    x->cfg = model::Qwen2Config::preset("tiny");
+    x->model = model::Qwen2Model::from_named(x->cfg, model::random_weights(x->cfg, 5, at::kFloat, 0.1),
+                                             at::kFloat, at::kCPU);
+    x->tokenizer = std::make_shared<const tok::Tokenizer>(
+        tok::Tokenizer::load(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer"));
+    return x;
+  }();
+  return *e;
+}
+
+EngineOptions small_opts() {
+  EngineOptions o;
+  o.served_model_name = "base";
+  o.max_model_len = 512;
+  o.kv_cache_bytes = 4 << 20;
+  o.max_loras = 4;
+  o.eos_ids = {151643};
+  return o;
+}
+
+std::shared_ptr<Collector> run(Engine& e, const std::string& model, std::vector<std::int32_t> prompt,
+                               SamplingParams p, const std::string& id) {
+  auto c = std::make_shared<Collector>();
+  RequestSpec s;
+  s.id = id;
+  s.model = model;
+  s.prompt = std::move(prompt);
+  s.params = p;
+  s.sink = c;
+  e.submit(std::move(s));
+  return c;
+}
+
+std::vector<std::int32_t> prompt_of(int seed, int len) {
+  std::vector<std::int32_t> v;
+  for (int i = 0; i < len; ++i) v.push_back((seed * 7919 + i * 104729) % 150000);
+  return v;
+}
+
+LoadedAdapter make_adapter(const std::string& name, std::uint64_t seed, std::int64_t rank = 2) {
+  model::LoraConfig lc;
+  lc.rank = rank;
+  lc.alpha = 2.0 * static_cast<double>(rank);
+  lc.targets = model::LoraConfig::parse_targets({"all-linear"});
+  auto a = model::LoraAdapter::init(lc, env().cfg, seed, at::kCPU);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed + 1000);
+  for (std::int64_t l = 0; l < a.n_layers(); ++l)
+    for (auto m : lc.targets) a.B(l, m).normal_(0, 0.5, gen);
+  LoadedAdapter la;
+  la.name = name;
+  la.path = "/mem/" + name;
+  la.sha256 = "sha-" + name + "-" + std::to_string(seed);
+  la.weights = std::make_shared<const model::LoraAdapter>(std::move(a));
+  return la;
+}
+
+TEST(Engine, GreedyMatchesReferenceGenerate) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = 12;
+  p.ignore_eos = true;
+  p.logprobs = 0;
+  auto prompt = prompt_of(1, 37);
+  auto c = run(e, "base", prompt, p, "r1");
+  c->wait();
+  model::GenerateOptions g;
+  g.max_new_tokens = 12;
+  std::vector<std::int64_t> p64(prompt.begin(), prompt.end());
+  auto ref = model::generate(*env().model, nullptr, p64, g);
+  ASSERT_EQ(c->choice(0).ids.size(), 12u);
+  for (std::size_t i = 0; i < 12; ++i) {
+    EXPECT_EQ(c->choice(0).ids[i], ref.ids[i]) << i;
+    EXPECT_NEAR(c->choice(0).logprobs[i], ref.logprobs[i], 1e-5) << i;
+  }
+  EXPECT_EQ(c->choice(0).finish, FinishReason::kLength);
+  EXPECT_EQ(c->usage().prompt_tokens, 37);
+  EXPECT_EQ(c->usage().completion_tokens, 12);
+}
+
+TEST(Engine, SampledLogprobsEqualTrainerLogprobs) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  e.install_adapter(make_adapter("a1", 3)).get();
+  SamplingParams p;
+  p.temperature = 0.9;
+  p.seed = 11;
+  p.max_tokens = 10;
+  p.ignore_eos = true;
+  auto prompt = prompt_of(2, 20);
+  auto c = run(e, "a1", prompt, p, "r");
+  c->wait();
+  auto ad = make_adapter("a1", 3);
+  std::vector<std::int64_t> p64(prompt.begin(), prompt.end()),
+      c64(c->choice(0).ids.begin(), c->choice(0).ids.end());
+  auto lp = model::completion_logprobs(*env().model, ad.weights.get(), {{p64, c64}}, 0.9);
+  for (std::size_t i = 0; i < c64.size(); ++i) EXPECT_NEAR(c->choice(0).logprobs[i], lp[0][i], 1e-4) << i;
+}
+
+TEST(Engine, BatchInvarianceAcrossAdaptersAndSeeds) {
+  auto opts = small_opts();
+  opts.kv_cache_bytes = 16 << 20;
+  Engine e(env().model, env().tokenizer, opts);
+  for (int i = 0; i < 3; ++i) e.install_adapter(make_adapter("v" + std::to_string(i), 20 + i)).get();
+  const std::vector<std::string> models = {"base", "v0", "v1", "v2"};
+  auto params_of = [](int i) {
+    SamplingParams p;
+    p.max_tokens = 8;
+    p.ignore_eos = true;
+    if (i % 2 == 0) p.temperature = 0;
+    else {
+      p.temperature = 1.0;
+      p.seed = 100 + i;
+    }
+    return p;
+  };
+  // Alone, one at a time.
+  std::vector<Collector::Choice> alone;
+  for (int i = 0; i < 32; ++i) {
+    auto c = run(e, models[i % 4], prompt_of(i, 5 + (i * 7) % 40), params_of(i), "alone" + std::to_string(i));
+    c->wait();
+    alone.push_back(c->choice(0));
+  }
+  // All 32 at once.
+  std::vector<std::shared_ptr<Collector>> cs;
+  for (int i = 0; i < 32; ++i)
+    cs.push_back(run(e, models[i % 4], prompt_of(i, 5 + (i * 7) % 40), params_of(i), "b" + std::to_string(i)));
+  for (int i = 0; i < 32; ++i) {
+    cs[static_cast<std::size_t>(i)]->wait();
+    const auto& got = cs[static_cast<std::size_t>(i)]->choice(0);
+    EXPECT_EQ(got.ids, alone[static_cast<std::size_t>(i)].ids) << "request " << i;
+    for (std::size_t k = 0; k < got.logprobs.size() && k < alone[static_cast<std::size_t>(i)].logprobs.size(); ++k)
+      EXPECT_NEAR(got.logprobs[k], alone[static_cast<std::size_t>(i)].logprobs[k], 1e-5) << i << "/" << k;
+  }
+}
+
+TEST(Engine, PrefixCacheKeyedByAdapterAndGroupPrefillsOnce) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  e.install_adapter(make_adapter("x", 1)).get();
+  SamplingParams p;
+  p.max_tokens = 3;
+  p.temperature = 0;
+  p.ignore_eos = true;
+  auto prompt = prompt_of(9, 70);  // 4 full blocks + 6
+  auto a = run(e, "base", prompt, p, "a");
+  a->wait();
+  EXPECT_EQ(a->usage().cached_prompt_tokens, 0);
+  auto b = run(e, "base", prompt, p, "b");
+  b->wait();
+  EXPECT_EQ(b->usage().cached_prompt_tokens, 64);
+  EXPECT_EQ(b->choice(0).ids, a->choice(0).ids);
+  auto x = run(e, "x", prompt, p, "x");  // same tokens, other adapter: no sharing
+  x->wait();
+  EXPECT_EQ(x->usage().cached_prompt_tokens, 0);
+  // A GRPO group: n = 8 computes the prompt once.
+  auto before = e.stats();
+  SamplingParams g;
+  g.n = 8;
+  g.max_tokens = 4;
+  g.temperature = 1.0;
+  g.seed = 5;
+  g.ignore_eos = true;
+  auto prompt2 = prompt_of(77, 135);
+  auto grp = run(e, "x", prompt2, g, "grp");
+  grp->wait();
+  auto after = e.stats();
+  EXPECT_EQ(grp->n_choices(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(grp->choice(i).ids.size(), 4u);
+  EXPECT_EQ(after.prefill_tokens_computed - before.prefill_tokens_computed, 135);
+  EXPECT_EQ(after.fork_shared_tokens - before.fork_shared_tokens, 7 * 135);
+  // Members use seed + j: member 3 equals a lone request seeded 8.
+  SamplingParams one = g;
+  one.n = 1;
+  one.seed = 8;
+  auto m3 = run(e, "x", prompt2, one, "m3");
+  m3->wait();
+  EXPECT_EQ(m3->choice(0).ids, grp->choice(3).ids);
+}
+
+TEST(Engine, PreemptionUnderATinyKvPoolLosesNothing) {
+  auto opts = small_opts();
+  opts.max_model_len = 160;
+  // 12 blocks of 16 tokens: one max-length sequence fits, six 100-token sequences do not.
+  opts.kv_cache_bytes = model::KvPool::bytes_per_slot(env().cfg, at::kFloat) * 16 * 12;
+  Engine e(env().model, env().tokenizer, opts);
+  SamplingParams p;
+  p.max_tokens = 40;
+  p.temperature = 0;
+  p.ignore_eos = true;
+  std::vector<std::shared_ptr<Collector>> cs;
+  for (int i = 0; i < 6; ++i) cs.push_back(run(e, "base", prompt_of(i, 60), p, "p" + std::to_string(i)));
+  for (auto& c : cs) c->wait();
+  EXPECT_GT(e.stats().preemptions, 0);
+  for (int i = 0; i < 6; ++i) {
+    model::GenerateOptions g;
+    g.max_new_tokens = 40;
+    auto pr = prompt_of(i, 60);
+    auto ref = model::generate(*env().model, nullptr, std::vector<std::int64_t>(pr.begin(), pr.end()), g);
+    EXPECT_EQ(cs[static_cast<std::size_t>(i)]->choice(0).ids,
+              std::vector<std::int32_t>(ref.ids.begin(), ref.ids.end())) << i;
+  }
+}
+
+TEST(Engine, StopConditions) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = 10;
+  p.ignore_eos = true;
+  auto base = run(e, "base", prompt_of(3, 10), p, "s0");
+  base->wait();
+  const auto& ids = base->choice(0).ids;
+  ASSERT_EQ(ids.size(), 10u);
+  // A stop id ends the completion and is included.
+  SamplingParams s = p;
+  s.stop_token_ids = {ids[3]};
+  auto c = run(e, "base", prompt_of(3, 10), s, "s1");
+  c->wait();
+  auto first = std::find(ids.begin(), ids.end(), ids[3]) - ids.begin();
+  EXPECT_EQ(c->choice(0).ids.size(), static_cast<std::size_t>(first + 1));
+  EXPECT_EQ(c->choice(0).finish, FinishReason::kStop);
+  // A stop string cuts the text before it.
+  const std::string full = base->choice(0).text;
+  if (full.size() > 4) {
+    SamplingParams t = p;
+    t.stop = {full.substr(full.size() / 2, 2)};
+    auto d = run(e, "base", prompt_of(3, 10), t, "s2");
+    d->wait();
+    EXPECT_EQ(d->choice(0).finish, FinishReason::kStop);
+    EXPECT_EQ(d->choice(0).text, full.substr(0, full.find(t.stop[0])));
+  }
+  EXPECT_EQ(base->choice(0).text, env().tokenizer->decode(ids, true));
+}
+
+TEST(Engine, AdapterLifecycle) {
+  auto opts = small_opts();
+  opts.max_loras = 2;
+  Engine e(env().model, env().tokenizer, opts);
+  auto o = e.install_adapter(make_adapter("p1", 1)).get();
+  EXPECT_TRUE(o.created);
+  EXPECT_FALSE(e.install_adapter(make_adapter("p1", 1)).get().created);  // idempotent
+  auto other = make_adapter("p1", 2);
+  try {
+    e.install_adapter(other).get();
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kConflict);
+  }
+  e.install_adapter(make_adapter("p2", 2)).get();
+  // Keep p1 busy, unload it: the request finishes with p1, new ones get NotFound.
+  e.pause(PauseMode::kKeep);
+  SamplingParams p;
+  p.max_tokens = 5;
+  p.temperature = 0;
+  p.ignore_eos = true;
+  auto busy = run(e, "p1", prompt_of(1, 12), p, "busy");
+  auto busy2 = run(e, "p2", prompt_of(1, 12), p, "busy2");
+  EXPECT_EQ(e.unload_adapter("p1").get(), "draining");
+  try {
+    run(e, "p1", prompt_of(1, 12), p, "late");
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kNotFound);
+  }
+  // Both slots hold adapters with requests in flight: a third load is refused, not evicted.
+  try {
+    e.install_adapter(make_adapter("p3", 3)).get();
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kUnavailable);
+  }
+  e.resume();
+  busy->wait();
+  busy2->wait();
+  EXPECT_EQ(busy->choice(0).ids.size(), 5u);
+  EXPECT_EQ(busy->choice(0).finish, FinishReason::kLength);
+  EXPECT_TRUE(e.install_adapter(make_adapter("p3", 3)).get().created);  // p1's slot was freed
+  EXPECT_EQ(e.adapters().size(), 2u);
+  try {
+    e.unload_adapter("nope").get();
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kNotFound);
+  }
+}
+
+TEST(Engine, AbortAndPauseAbort) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  e.pause(PauseMode::kKeep);
+  SamplingParams p;
+  p.max_tokens = 50;
+  p.ignore_eos = true;
+  auto a = run(e, "base", prompt_of(1, 8), p, "ab");
+  e.abort("ab");
+  a->wait();
+  EXPECT_EQ(a->choice(0).finish, FinishReason::kAbort);
+  p.n = 3;
+  auto b = run(e, "base", prompt_of(2, 8), p, "ab2");
+  e.pause(PauseMode::kAbort);
+  b->wait();
+  EXPECT_EQ(b->n_choices(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(b->choice(i).finish, FinishReason::kAbort);
+  EXPECT_TRUE(e.is_paused());
+  e.resume();
+  EXPECT_FALSE(e.is_paused());
+}
+
+TEST(Engine, ValidationNamesTheField) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  auto expect_param = [&](RequestSpec s, const std::string& param, const std::string& needle) {
+    try {
+      e.validate(s);
+      ADD_FAILURE() << "accepted; expected an error on " << param;
+    } catch (const Error& err) {
+      EXPECT_EQ(err.param(), param) << err.what();
+      EXPECT_NE(std::string(err.what()).find(needle), std::string::npos) << err.what();
+    }
+  };
+  RequestSpec ok;
+  ok.model = "base";
+  ok.prompt = {1, 2, 3};
+  auto s = ok;
+  s.params.max_tokens = 0;
+  expect_param(s, "max_tokens", "got 0");
+  s = ok;
+  s.prompt = {1, 999999};
+  expect_param(s, "prompt", "999999");
+  s = ok;
+  s.model = "ghost";
+  expect_param(s, "model", "ghost");
+  s = ok;
+  s.prompt.assign(600, 1);
+  expect_param(s, "prompt", "maximum context length is 512");
+  s = ok;
+  s.params.max_tokens = 510;
+  expect_param(s, "max_tokens", "513 tokens");
+  s = ok;
+  s.params.top_p = 0;
+  expect_param(s, "top_p", "(0, 1]");
+  s = ok;
+  s.params.temperature = -1;
+  expect_param(s, "temperature", "-1");
+}
+
+TEST(AdapterStore, ManifestChecksAndAllowedRoots) {
+  TempDir d;
+  auto dir = d.path() / "adapters" / "policy-v1";
+  auto ad = make_adapter("policy-v1", 4);
+  ad.weights->save_peft(dir);
+  // No manifest, well-formed PEFT files: loads, identity from the files.
+  auto l = read_adapter("policy-v1", dir.string(), {}, env().cfg, 8, at::kCPU);
+  EXPECT_EQ(l.sha256.size(), 64u);
+  auto digest = write_adapter_manifest(dir, "policy-v1", 1, 0, "tiny", "abc");
+  EXPECT_EQ(digest, l.sha256);
+  EXPECT_EQ(read_adapter("policy-v1", dir.string(), {}, env().cfg, 8, at::kCPU).sha256, digest);
+  // Outside the allowed roots: Forbidden, also through "..".
+  try {
+    read_adapter("x", (d.path() / "adapters" / ".." / "adapters" / "policy-v1").string(),
+                 {(d.path() / "other").string()}, env().cfg, 8, at::kCPU);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kForbidden);
+  }
+  EXPECT_NO_THROW(read_adapter("x", dir.string(), {(d.path() / "adapters").string()}, env().cfg, 8, at::kCPU));
+  // Rank above the limit: InvalidInput naming it.
+  try {
+    read_adapter("x", dir.string(), {}, env().cfg, 1, at::kCPU);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput);
+    EXPECT_NE(std::string(e.what()).find("max_lora_rank"), std::string::npos) << e.what();
+  }
+  // A file that does not match the manifest: "No adapter found" (it may still be arriving).
+  auto st = read_file(dir / "adapter_model.safetensors");
+  write_file_atomic(dir / "adapter_model.safetensors", st.substr(0, st.size() / 2));
+  try {
+    read_adapter("x", dir.string(), {}, env().cfg, 8, at::kCPU);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kNotFound);
+    EXPECT_EQ(std::string(e.what()).rfind("No adapter found for", 0), 0u) << e.what();
+  }
+  try {
+    read_adapter("x", (d.path() / "missing").string(), {}, env().cfg, 8, at::kCPU);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kNotFound);
+  }
+}
+
+}  // namespace
+}  // namespace lorasync::engine
