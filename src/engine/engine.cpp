@@ -33,6 +33,21 @@ const char* finish_reason_name(FinishReason r) {
   return nullptr;
 }
 
+Histogram Histogram::latency() {
+  Histogram h;
+  h.bounds = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+  h.counts.assign(h.bounds.size() + 1, 0);
+  return h;
+}
+
+void Histogram::observe(double v) {
+  std::size_t i = 0;
+  while (i < bounds.size() && v > bounds[i]) ++i;
+  ++counts[i];
+  sum += v;
+  ++count;
+}
+
 namespace {
 
 constexpr std::size_t kLatencySamples = 4096;
@@ -565,9 +580,11 @@ struct Engine::Impl {
       g->first_token = true;
       if (st.ttft_s.size() >= kLatencySamples) st.ttft_s.erase(st.ttft_s.begin());
       st.ttft_s.push_back(now - g->t_submit);
+      st.ttft_hist.observe(now - g->t_submit);
     } else if (s->t_last > 0) {
       if (st.itl_s.size() >= kLatencySamples) st.itl_s.erase(st.itl_s.begin());
       st.itl_s.push_back(now - s->t_last);
+      st.itl_hist.observe(now - s->t_last);
     }
     s->t_last = now;
     if (p.logprobs && tokenizer->is_valid_id(t.id))

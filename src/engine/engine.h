@@ -74,6 +74,16 @@ struct LoadOutcome {
   std::string sha256;
 };
 
+// A Prometheus-style histogram: counts[i] = observations <= bounds[i] (not cumulative), plus +Inf.
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<std::int64_t> counts;  // bounds.size() + 1 (the last is +Inf)
+  double sum = 0;
+  std::int64_t count = 0;
+  static Histogram latency();  // 1 ms .. 60 s
+  void observe(double v);
+};
+
 struct EngineStats {
   std::int64_t running = 0, waiting = 0;
   std::int64_t kv_blocks_total = 0, kv_blocks_used = 0, kv_blocks_cached = 0;
@@ -87,6 +97,8 @@ struct EngineStats {
   std::map<std::string, std::int64_t> requests_by_model;
   std::vector<double> ttft_s;          // recent time-to-first-token samples (bounded)
   std::vector<double> itl_s;           // recent inter-token latencies (bounded)
+  Histogram ttft_hist = Histogram::latency();
+  Histogram itl_hist = Histogram::latency();
 };
 
 class Engine {

@@ -7,6 +7,7 @@
 
 #include "util/error.h"
 #include "util/files.h"
+#include "util/sha256.h"
 
 namespace lorasync::io {
 
@@ -76,6 +77,25 @@ WeightSet open_weights(const fs::path& dir) {
                     dir.string());
   }
   return ws;
+}
+
+std::string model_identity_sha256(const fs::path& dir) {
+  Sha256 h;
+  h.update(read_file(dir / "config.json"));
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  for (const auto& f : files) {
+    MappedFile m(f);
+    std::uint64_t n = 0;
+    if (m.size() >= 8)
+      for (int i = 7; i >= 0; --i) n = (n << 8) | m.data()[i];
+    n = std::min<std::uint64_t>(n + 8, m.size());
+    h.update(f.filename().string());
+    h.update(m.data(), static_cast<std::size_t>(n));
+  }
+  return h.hex_digest();
 }
 
 int write_weights(const fs::path& dir, const std::vector<TensorToWrite>& tensors,

@@ -36,6 +36,12 @@ class WeightSet {
 
 WeightSet open_weights(const std::filesystem::path& dir);
 
+// Identity of a model directory: SHA-256 over config.json and every weight file's header (names,
+// dtypes, shapes, offsets), cheap to compute and changed by any change of architecture or layout.
+// (A change of weight values under the same layout is caught by the adapters' base_model check of
+// the name, not by this hash.)
+std::string model_identity_sha256(const std::filesystem::path& dir);
+
 // Returns the number of files written (1 = unsharded).
 int write_weights(const std::filesystem::path& dir, const std::vector<TensorToWrite>& tensors,
                   std::uint64_t max_shard_bytes);
