@@ -137,18 +137,22 @@ class ChannelSink : public engine::RequestSink {
   std::size_t idx_;
 };
 
-// Runs f on the blocking pool and resumes the coroutine with its result.
+// Runs f on the blocking pool; finish_offload() resumes the coroutine with its result. Split in a
+// plain function and a coroutine taking only a shared_ptr: g++ 12 mishandles temporaries (such as a
+// lambda converted to std::function) inside co_await expressions.
 template <typename T>
-Task<T> offload(BlockingPool& pool, std::function<T()> f) {
-  auto ex = co_await net::this_coro::executor;
-  struct State {
-    explicit State(net::any_io_executor e) : waker(e) {}
-    Waker waker;
-    std::optional<T> value;
-    std::exception_ptr error;
-    bool done = false;  // strand only
-  };
-  auto st = std::make_shared<State>(ex);
+struct OffloadState {
+  explicit OffloadState(net::any_io_executor e) : waker(e) {}
+  Waker waker;
+  std::optional<T> value;
+  std::exception_ptr error;
+  bool done = false;  // strand only
+};
+
+template <typename T>
+std::shared_ptr<OffloadState<T>> start_offload(BlockingPool& pool, net::any_io_executor ex,
+                                               std::function<T()> f) {
+  auto st = std::make_shared<OffloadState<T>>(ex);
   pool.post([st, f = std::move(f)] {
     try {
       st->value.emplace(f());
@@ -160,6 +164,11 @@ Task<T> offload(BlockingPool& pool, std::function<T()> f) {
       st->waker.timer.cancel();
     });
   });
+  return st;
+}
+
+template <typename T>
+Task<T> finish_offload(std::shared_ptr<OffloadState<T>> st) {
   while (!st->done) co_await st->waker.wait();
   if (st->error) std::rethrow_exception(st->error);
   co_return std::move(*st->value);
@@ -340,7 +349,7 @@ Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter
   auto info = engine->find_adapter(pc.model);
   if (!info)
     throw Error(ErrorKind::kNotFound, fmt::format("The model `{}` does not exist.", pc.model), "model");
-  if (pc.params.max_tokens <= 0) {
+  if (pc.max_tokens_unset) {
     // Chat without max_tokens: the rest of the context (as vLLM does).
     std::size_t longest = 0;
     for (const auto& p : pc.prompts) longest = std::max(longest, p.size());
@@ -480,11 +489,13 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       auto name = string_field(j, "lora_name");
       auto lpath = string_field(j, "lora_path");
       if (name.empty()) throw Error(ErrorKind::kInvalidInput, "lora_name must not be empty", "lora_name");
-      engine::LoadOutcome out = co_await offload<engine::LoadOutcome>(*blocking, [this, name, lpath] {
+      std::function<engine::LoadOutcome()> job = [this, name, lpath] {
         auto a = engine::read_adapter(name, lpath, opt.allowed_adapter_roots, model->config(),
                                       opt.max_lora_rank, model->device());
         return engine->install_adapter(std::move(a)).get();
-      });
+      };
+      auto pending = start_offload<engine::LoadOutcome>(*blocking, co_await net::this_coro::executor, std::move(job));
+      engine::LoadOutcome out = co_await finish_offload(pending);
       LS_LOG_INFO("server", "adapter {} {} from {} (sha256 {})", name, out.created ? "loaded" : "already loaded",
                   lpath, out.sha256.substr(0, 12));
       r = http::json_response(200, json{{"status", "ok"}, {"lora_name", name}, {"adapter_sha256", out.sha256},
@@ -493,7 +504,9 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       need("POST");
       auto j = parse_body(req.body);
       auto name = string_field(j, "lora_name");
-      std::string status = co_await offload<std::string>(*blocking, [this, name] { return engine->unload_adapter(name).get(); });
+      std::function<std::string()> job = [this, name] { return engine->unload_adapter(name).get(); };
+      auto pending = start_offload<std::string>(*blocking, co_await net::this_coro::executor, std::move(job));
+      std::string status = co_await finish_offload(pending);
       LS_LOG_INFO("server", "adapter {} {}", name, status);
       r = http::json_response(200, json{{"status", status}, {"lora_name", name}}.dump());
     } else if (path == "/pause") {
@@ -513,7 +526,9 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       r = http::json_response(200, json{{"is_paused", engine->is_paused()}}.dump());
     } else if (path == "/reset_prefix_cache") {
       need("POST");
-      auto n = co_await offload<std::int64_t>(*blocking, [this] { return engine->reset_prefix_cache().get(); });
+      std::function<std::int64_t()> job = [this] { return engine->reset_prefix_cache().get(); };
+      auto pending = start_offload<std::int64_t>(*blocking, co_await net::this_coro::executor, std::move(job));
+      auto n = co_await finish_offload(pending);
       r = http::json_response(200, json{{"status", "ok"}, {"blocks_dropped", n}}.dump());
     } else {
       r = http::error_response(404, fmt::format("no route for {} {}", m, path));

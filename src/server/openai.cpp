@@ -90,8 +90,11 @@ void parse_common(const json& j, ParsedCompletion& r, const tok::Tokenizer& toke
   if (!m->is_string()) bad("model", fmt::format("model must be a string, got {}", shown(*m)));
   r.model = m->get<std::string>();
   auto& p = r.params;
-  p.max_tokens = get_int(j, "max_tokens", r.chat ? 0 : 16);
-  if (r.chat && !field(j, "max_tokens")) p.max_tokens = get_int(j, "max_completion_tokens", 0);
+  p.max_tokens = get_int(j, "max_tokens", 16);
+  if (r.chat && !field(j, "max_tokens")) {
+    if (field(j, "max_completion_tokens")) p.max_tokens = get_int(j, "max_completion_tokens", 16);
+    else r.max_tokens_unset = true;
+  }
   p.temperature = get_number(j, "temperature", 1.0);
   p.top_p = get_number(j, "top_p", 1.0);
   p.top_k = get_int(j, "top_k", 0);

@@ -29,6 +29,7 @@ struct ParsedCompletion {
   bool include_usage = false;        // stream_options.include_usage
   bool return_token_ids = false;
   bool chat = false;                 // /v1/chat/completions
+  bool max_tokens_unset = false;     // chat without max_tokens: the rest of the context
 };
 
 // Parses a /v1/completions body. Text prompts are tokenized (special tokens parsed, no BOS).

@@ -1,0 +1,289 @@
+// Black-box tests of `lorasync serve`: the real binary on a tiny random model and adapters made by
+// the foundation code, every endpoint and every documented error, on port 0.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <thread>
+
+#include "core/model/lora.h"
+#include "core/model/qwen2_config.h"
+#include "engine/adapter_store.h"
+#include "util/child_process.h"
+#include "util/files.h"
+#include "util/http_client.h"
+#include "util/run_command.h"
+
+namespace lorasync {
+namespace {
+
+using nlohmann::json;
+using testing::http_request;
+
+struct Fixture {
+  TempDir dir{"lorasync-serve"};
+  fs::path model, adapters;
+  std::unique_ptr<testing::ChildProcess> proc;
+  std::uint16_t port = 0;
+
+  Fixture() {
+    model = dir.path() / "tiny";
+    adapters = dir.path() / "adapters";
+    fs::create_directories(adapters);
+    auto r = testing::run_lorasync("init-model --preset tiny --seed 2 --init-std 0.1 --output " +
+                                   testing::shell_quote(model.string()));
+    if (r.exit_code != 0) throw std::runtime_error(r.err);
+  }
+
+  // A PEFT adapter (non-zero B) published with a manifest, like the trainer does.
+  fs::path make_adapter(const std::string& name, std::uint64_t seed, std::int64_t rank = 2, bool manifest = true) {
+    auto cfg = model::Qwen2Config::load(model);
+    model::LoraConfig lc;
+    lc.rank = rank;
+    lc.alpha = 2.0 * static_cast<double>(rank);
+    lc.targets = model::LoraConfig::parse_targets({"all-linear"});
+    auto a = model::LoraAdapter::init(lc, cfg, seed, at::kCPU);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    for (std::int64_t l = 0; l < a.n_layers(); ++l)
+      for (auto m : lc.targets) a.B(l, m).normal_(0, 0.3, gen);
+    fs::path d = adapters / name;
+    a.save_peft(d);
+    if (manifest) engine::write_adapter_manifest(d, name, 1, 0, "tiny", "x");
+    return d;
+  }
+
+  void start(std::vector<std::string> extra = {}, std::vector<std::string> env = {}) {
+    std::vector<std::string> argv = {LORASYNC_BINARY, "serve", "--model", model.string(), "--served-model-name",
+                                     "tiny", "--port", "0", "--kv-cache-memory", "32MiB", "--max-model-len", "512",
+                                     "--max-loras", "3", "--max-lora-rank", "8", "--allowed-adapter-root",
+                                     adapters.string(), "--shutdown-grace", "5"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    proc = std::make_unique<testing::ChildProcess>(argv, env);
+    auto line = proc->read_line(60);
+    if (!line) throw std::runtime_error("serve did not start: " + proc->stderr_text());
+    port = static_cast<std::uint16_t>(json::parse(*line)["port"].get<int>());
+  }
+
+  testing::HttpResult post(const std::string& path, const json& body, std::vector<std::string> h = {}) {
+    return http_request(port, "POST", path, body.dump(), h);
+  }
+  testing::HttpResult post_raw(const std::string& path, const std::string& body) {
+    return http_request(port, "POST", path, body);
+  }
+  testing::HttpResult get(const std::string& path) { return http_request(port, "GET", path); }
+};
+
+class Serve : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    f_ = new Fixture();
+    f_->start();
+  }
+  static void TearDownTestSuite() { delete f_; }
+  static Fixture& f() { return *f_; }
+  static Fixture* f_;
+
+  // The error shape and a message naming `needle`, then a healthy server.
+  static void expect_error(const testing::HttpResult& r, int status, const std::string& needle,
+                           const std::string& param = "") {
+    EXPECT_EQ(r.status, status) << r.body;
+    auto j = json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << r.body;
+    EXPECT_EQ(j["error"]["code"], status);
+    EXPECT_NE(j["error"]["message"].get<std::string>().find(needle), std::string::npos) << r.body;
+    if (!param.empty()) EXPECT_EQ(j["error"]["param"], param) << r.body;
+    EXPECT_EQ(f().get("/health").status, 200) << "server not healthy after an error";
+  }
+};
+Fixture* Serve::f_ = nullptr;
+
+TEST_F(Serve, HealthModelsInfoMetrics) {
+  EXPECT_EQ(f().get("/health").status, 200);
+  auto m = json::parse(f().get("/v1/models").body);
+  EXPECT_EQ(m["object"], "list");
+  EXPECT_EQ(m["data"][0]["id"], "tiny");
+  EXPECT_EQ(m["data"][0]["max_model_len"], 512);
+  auto info = json::parse(f().get("/server_info").body);
+  EXPECT_EQ(info["dtype"], "float32");
+  EXPECT_EQ(info["lora_config"]["max_loras"], 3);
+  EXPECT_EQ(info["lora_config"]["max_lora_rank"], 8);
+  EXPECT_EQ(info["kv_cache"]["block_size"], 16);
+  auto vinfo = json::parse(f().get("/server_info?config_format=json").body);
+  EXPECT_EQ(vinfo["vllm_config"]["lora_config"]["max_loras"], 3);
+  auto metrics = f().get("/metrics");
+  EXPECT_EQ(metrics.status, 200);
+  EXPECT_NE(metrics.body.find("lorasync_server_kv_blocks_used"), std::string::npos);
+  EXPECT_NE(metrics.body.find("lorasync_server_time_to_first_token_seconds_bucket"), std::string::npos);
+}
+
+TEST_F(Serve, CompletionsTextIdsBatchAndProvenance) {
+  auto r = f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "1 + 1 ="}, {"max_tokens", 4},
+                                        {"temperature", 0}, {"logprobs", 2}, {"return_token_ids", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "text_completion");
+  auto& c = j["choices"][0];
+  EXPECT_EQ(c["token_ids"].size(), 4u);
+  EXPECT_EQ(c["logprobs"]["token_logprobs"].size(), 4u);
+  EXPECT_EQ(c["logprobs"]["top_logprobs"].size(), 4u);
+  EXPECT_FALSE(c["prompt_token_ids"].empty());
+  EXPECT_EQ(j["usage"]["completion_tokens"], 4);
+  EXPECT_TRUE(j["lorasync"]["adapter"].is_null());
+  EXPECT_EQ(j["lorasync"]["base_model_sha256"].get<std::string>().size(), 64u);
+  // Token-id prompts and batches: each prompt gets n choices.
+  r = f().post("/v1/completions", {{"model", "tiny"}, {"prompt", {{1, 2, 3}, {4, 5}}}, {"max_tokens", 2}, {"n", 2}, {"seed", 1}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["choices"].size(), 4u);
+  // Tokenize / detokenize round trip.
+  auto t = json::parse(f().post("/tokenize", {{"model", "tiny"}, {"prompt", "Hello, world"}}).body);
+  EXPECT_EQ(t["count"], t["tokens"].size());
+  auto d = json::parse(f().post("/detokenize", {{"model", "tiny"}, {"tokens", t["tokens"]}}).body);
+  EXPECT_EQ(d["prompt"], "Hello, world");
+}
+
+TEST_F(Serve, StreamingSseAndChat) {
+  auto r = f().post("/v1/completions", {{"model", "tiny"}, {"prompt", {5, 6, 7}}, {"max_tokens", 5}, {"stream", true},
+                                        {"temperature", 0}, {"stream_options", {{"include_usage", true}}}});
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers["content-type"], "text/event-stream");
+  auto ev = testing::sse_events(r.body);
+  ASSERT_GE(ev.size(), 3u);
+  EXPECT_EQ(ev.back(), "[DONE]");
+  EXPECT_TRUE(json::parse(ev[ev.size() - 2]).contains("usage"));
+  std::string text;
+  for (std::size_t i = 0; i + 2 < ev.size(); ++i) text += json::parse(ev[i])["choices"][0]["text"].get<std::string>();
+  auto whole = json::parse(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", {5, 6, 7}}, {"max_tokens", 5}, {"temperature", 0}}).body);
+  EXPECT_EQ(text, whole["choices"][0]["text"]);
+  auto c = f().post("/v1/chat/completions", {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 3}});
+  ASSERT_EQ(c.status, 200) << c.body;
+  auto cj = json::parse(c.body);
+  EXPECT_EQ(cj["object"], "chat.completion");
+  EXPECT_EQ(cj["choices"][0]["message"]["role"], "assistant");
+}
+
+TEST_F(Serve, DocumentedErrors) {
+  expect_error(f().post_raw("/v1/completions", "{not json"), 400, "not valid JSON");
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"temperature", "hot"}}), 400,
+               "temperature must be a number", "temperature");
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"max_tokens", 0}}), 400,
+               "max_tokens must be at least 1, got 0", "max_tokens");
+  expect_error(f().post("/v1/completions", {{"model", "nope"}, {"prompt", "x"}}), 404, "nope", "model");
+  expect_error(f().post("/v1/completions", {{"prompt", "x"}}), 400, "model is required", "model");
+  std::vector<int> long_prompt(600, 7);
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", long_prompt}}), 400,
+               "maximum context length is 512", "prompt");
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 99999999}}}), 400,
+               "outside the vocabulary", "prompt");
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, -5}}}), 400, "-5", "prompt");
+  expect_error(f().get("/v1/nothing"), 404, "no route");
+  expect_error(f().get("/v1/completions"), 405, "not allowed");
+  // Adapters.
+  auto outside = f().dir.path() / "elsewhere";
+  fs::create_directories(outside);
+  expect_error(f().post("/v1/load_lora_adapter", {{"lora_name", "a"}, {"lora_path", outside.string()}}), 403,
+               "outside the allowed adapter roots", "lora_path");
+  expect_error(f().post("/v1/load_lora_adapter", {{"lora_name", "a"}, {"lora_path", (f().adapters / "missing").string()}}),
+               404, "No adapter found for");
+  auto big = f().make_adapter("big-rank", 3, 16);
+  expect_error(f().post("/v1/load_lora_adapter", {{"lora_name", "big"}, {"lora_path", big.string()}}), 400,
+               "max_lora_rank 8");
+  expect_error(f().post("/v1/load_lora_adapter", {{"lora_path", big.string()}}), 400, "lora_name", "lora_name");
+  expect_error(f().post("/v1/unload_lora_adapter", {{"lora_name", "never-loaded"}}), 404, "never-loaded");
+  auto a1 = f().make_adapter("e1", 4);
+  auto a2 = f().make_adapter("e2", 5);
+  ASSERT_EQ(f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a1.string()}}).status, 200);
+  EXPECT_EQ(f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a1.string()}}).status, 200);
+  expect_error(f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a2.string()}}), 409,
+               "immutable", "lora_name");
+  EXPECT_EQ(f().post("/v1/unload_lora_adapter", {{"lora_name", "dup"}}).status, 200);
+}
+
+TEST_F(Serve, AdapterServingMatchesTrainerLogprobs) {
+  auto dir = f().make_adapter("policy-v1", 11);
+  auto l = f().post("/v1/load_lora_adapter", {{"lora_name", "policy-v1"}, {"lora_path", dir.string()}});
+  ASSERT_EQ(l.status, 200) << l.body;
+  auto lj = json::parse(l.body);
+  EXPECT_EQ(lj["rank"], 2);
+  auto models = json::parse(f().get("/v1/models").body);
+  bool listed = false;
+  for (const auto& m : models["data"]) listed |= m["id"] == "policy-v1" && m["parent"] == "tiny";
+  EXPECT_TRUE(listed);
+  auto r = f().post("/v1/completions", {{"model", "policy-v1"}, {"prompt", {11, 12, 13, 14}}, {"max_tokens", 8},
+                                        {"temperature", 1.0}, {"seed", 9}, {"logprobs", 0}, {"return_token_ids", true},
+                                        {"ignore_eos", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = json::parse(r.body);
+  EXPECT_EQ(j["lorasync"]["adapter"], "policy-v1");
+  EXPECT_EQ(j["lorasync"]["adapter_sha256"], lj["adapter_sha256"]);
+  std::string ids;
+  for (const auto& v : j["choices"][0]["token_ids"]) ids += (ids.empty() ? "" : ",") + std::to_string(v.get<int>());
+  auto cmd = testing::run_lorasync("logprobs --model " + testing::shell_quote(f().model.string()) + " --adapter " +
+                                   testing::shell_quote(dir.string()) + " --prompt-ids 11,12,13,14 --completion-ids " + ids);
+  ASSERT_EQ(cmd.exit_code, 0) << cmd.err;
+  auto ref = json::parse(cmd.out)["logprobs"];
+  auto got = j["choices"][0]["logprobs"]["token_logprobs"];
+  ASSERT_EQ(ref.size(), got.size());
+  for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i].get<double>(), ref[i].get<double>(), 1e-4) << i;
+  // The same prompt under the base model and under the adapter never shares prefix blocks.
+  std::vector<int> prompt(70, 3);
+  json req = {{"model", "policy-v1"}, {"prompt", prompt}, {"max_tokens", 1}};
+  f().post("/v1/completions", req);
+  EXPECT_EQ(json::parse(f().post("/v1/completions", req).body)["usage"]["cached_prompt_tokens"], 64);
+  req["model"] = "tiny";
+  EXPECT_EQ(json::parse(f().post("/v1/completions", req).body)["usage"]["cached_prompt_tokens"], 0);
+  // A GRPO group (n = 8) prefills once: the fork counter grows by 7 prompts.
+  auto before = f().get("/metrics").body;
+  auto g = f().post("/v1/completions", {{"model", "policy-v1"}, {"prompt", std::vector<int>(40, 9)}, {"max_tokens", 2}, {"n", 8}, {"seed", 1}});
+  ASSERT_EQ(g.status, 200);
+  EXPECT_EQ(json::parse(g.body)["choices"].size(), 8u);
+  auto after = f().get("/metrics").body;
+  EXPECT_NE(after.find("lorasync_server_fork_shared_tokens_total"), std::string::npos);
+  EXPECT_EQ(f().post("/v1/unload_lora_adapter", {{"lora_name", "policy-v1"}}).status, 200);
+  expect_error(f().post("/v1/completions", {{"model", "policy-v1"}, {"prompt", {1}}}), 404, "policy-v1");
+}
+
+TEST_F(Serve, PauseResumeAndResetPrefixCache) {
+  EXPECT_EQ(f().post("/pause?mode=keep", json::object()).status, 200);
+  EXPECT_EQ(json::parse(f().get("/is_paused").body)["is_paused"], true);
+  // A request sent while paused waits, then completes after resume.
+  testing::HttpResult late;
+  std::thread t([&] { late = f().post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 2}}, {"max_tokens", 2}}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(late.status, 0);  // still waiting
+  EXPECT_EQ(f().post("/resume", json::object()).status, 200);
+  t.join();
+  EXPECT_EQ(late.status, 200);
+  EXPECT_EQ(json::parse(f().get("/is_paused").body)["is_paused"], false);
+  expect_error(f().post("/pause?mode=sideways", json::object()), 400, "mode");
+  f().post("/resume", json::object());
+  EXPECT_EQ(f().post("/reset_prefix_cache", json::object()).status, 200);
+}
+
+TEST(ServeAuth, ApiKeyAndGracefulShutdown) {
+  Fixture fx;
+  fx.start({"--api-key", "sekret"});
+  EXPECT_EQ(fx.get("/health").status, 200);  // open
+  auto r = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1}}, {"max_tokens", 1}});
+  EXPECT_EQ(r.status, 401);
+  EXPECT_EQ(r.headers["www-authenticate"], "Bearer");
+  r = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1}}, {"max_tokens", 1}}, {"Authorization: Bearer wrong"});
+  EXPECT_EQ(r.status, 401);
+  r = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1}}, {"max_tokens", 1}}, {"Authorization: Bearer sekret"});
+  EXPECT_EQ(r.status, 200) << r.body;
+  // SIGTERM while a long request runs: it finishes within the grace period, then the exit is clean.
+  testing::HttpResult longr;
+  std::thread t([&] {
+    longr = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 2}}, {"max_tokens", 200}, {"ignore_eos", true}},
+                    {"Authorization: Bearer sekret"});
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  fx.proc->kill(SIGTERM);
+  t.join();
+  EXPECT_EQ(longr.status, 200) << longr.body;
+  EXPECT_EQ(json::parse(longr.body)["usage"]["completion_tokens"], 200);
+  EXPECT_EQ(fx.proc->wait_exit(30), std::optional<int>(0)) << fx.proc->stderr_text();
+}
+
+}  // namespace
+}  // namespace lorasync
