@@ -28,9 +28,17 @@ class Registry {
 void register_init_model(CLI::App& root, Registry& reg);
 void register_logprobs(CLI::App& root, Registry& reg);
 void register_generate(CLI::App& root, Registry& reg);
+void register_serve(CLI::App& root, Registry& reg);
+void register_grade(CLI::App& root, Registry& reg);
+void register_tokenize(CLI::App& root, Registry& reg);
+void register_train_tokenizer(CLI::App& root, Registry& reg);
+void register_proxy(CLI::App& root, Registry& reg);  // also the hidden stub-replica
 
 // `lorasync bench <name>`; `bench` is the parent subcommand.
 void register_bench_gemm(CLI::App& bench, Registry& reg);
 void register_bench_forward(CLI::App& bench, Registry& reg);
+void register_bench_grade(CLI::App& bench, Registry& reg);
+void register_bench_tokenizer(CLI::App& bench, Registry& reg);
+void register_bench_proxy(CLI::App& bench, Registry& reg);
 
 }  // namespace lorasync::cli

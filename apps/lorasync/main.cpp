@@ -23,11 +23,19 @@ int main(int argc, char** argv) {
   cli::register_init_model(app, reg);
   cli::register_logprobs(app, reg);
   cli::register_generate(app, reg);
+  cli::register_serve(app, reg);
+  cli::register_grade(app, reg);
+  cli::register_tokenize(app, reg);
+  cli::register_train_tokenizer(app, reg);
+  cli::register_proxy(app, reg);
 
   CLI::App* bench = app.add_subcommand("bench", "benchmarks: JSON lines on stdout, table on stderr");
   bench->require_subcommand(1);
   cli::register_bench_gemm(*bench, reg);
   cli::register_bench_forward(*bench, reg);
+  cli::register_bench_grade(*bench, reg);
+  cli::register_bench_tokenizer(*bench, reg);
+  cli::register_bench_proxy(*bench, reg);
 
   try {
     app.parse(argc, argv);

@@ -283,6 +283,7 @@ struct Engine::Impl {
         sl.draining = false;
       }
     }
+    LS_LOG_DEBUG("engine", "{} complete", g->spec.id);
     deliver(g, true);
     groups.erase(g->spec.id);
     return true;

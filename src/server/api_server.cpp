@@ -87,9 +87,6 @@ class BlockingPool {
 struct Waker {
   explicit Waker(net::any_io_executor ex) : timer(ex) { timer.expires_at(net::steady_timer::time_point::max()); }
   net::steady_timer timer;
-  void wake() {
-    net::post(timer.get_executor(), [this] { timer.cancel(); });
-  }
   Task<void> wait() {
     boost::system::error_code ec;
     timer.expires_at(net::steady_timer::time_point::max());
@@ -104,7 +101,7 @@ struct Output {
   bool done;
 };
 
-struct Channel {
+struct Channel : std::enable_shared_from_this<Channel> {
   explicit Channel(net::any_io_executor ex) : waker(ex) {}
   std::mutex mu;
   std::deque<Output> items;
@@ -114,7 +111,15 @@ struct Channel {
       std::lock_guard<std::mutex> lk(mu);
       items.push_back(std::move(o));
     }
-    waker.wake();
+    // The wake-up holds the channel: it may run after the request's coroutine has ended.
+    wake();
+  }
+  void wake() {
+    net::post(waker.timer.get_executor(), [self = shared_from_this()] { self->waker.timer.cancel(); });
+  }
+  bool empty() {
+    std::lock_guard<std::mutex> lk(mu);
+    return items.empty();
   }
   bool pop(Output& o) {
     std::lock_guard<std::mutex> lk(mu);
@@ -384,9 +389,11 @@ Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter
     sub_ids.push_back(s.id);
     engine->submit(std::move(s));
   }
+  LS_LOG_DEBUG("server", "{} submitted: {} prompt(s) of {} tokens, n {}, max_tokens {}", id, pc.prompts.size(),
+               pc.prompts[0].size(), pc.params.n, pc.params.max_tokens);
   auto sub = w.client_gone().subscribe([this, sub_ids, ch] {
     for (const auto& s : sub_ids) engine->abort(s);
-    ch->waker.wake();
+    ch->wake();
   });
   bool client_ok = true;
   if (pc.stream) {
@@ -410,6 +417,7 @@ Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter
     co_await ch->waker.wait();
   }
   w.client_gone().unsubscribe(sub);
+  LS_LOG_DEBUG("server", "{} finished", id);
   if (pc.stream) {
     if (client_ok) {
       if (!state.error().empty()) w.abort();

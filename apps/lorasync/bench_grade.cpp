@@ -1,0 +1,209 @@
+// `lorasync bench grade`: verifier throughput (grades/s) and p99 time per grade.
+//
+// Workloads, all built deterministically from the reference answers of shared/data/*.jsonl:
+//   reference_self      each answer boxed inside a sentence, graded against itself
+//   reference_rewrites  the spec's rewrites (dfrac, \left( \right), spaces, trailing period,
+//                       "x = " prefix) against the answer
+//   sampled             sampled-style completions (a few hundred words of reasoning with inline
+//                       maths, then a box: correct, rewritten or another row's answer; some after
+//                       </think>, some without a box)
+// Baseline, same run, same inputs: extraction of the box plus the canonical-string check alone
+// (what a Hendrycks-style normaliser costs; with the same raw-equality shortcut the verifier
+// takes). ratio = full verifier / baseline: for grades/s it is at most ~1 (below 1 is the price
+// of the maths), for the times at least ~1.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "reward/extract.h"
+#include "reward/grade.h"
+#include "util/bench_report.h"
+#include "util/error.h"
+
+namespace lorasync::cli {
+namespace {
+
+struct BenchGradeOptions {
+  std::string data_dir = std::string(LORASYNC_SOURCE_DIR) + "/../shared/data";
+  double seconds = 1.0;  // minimum time per workload and method
+  std::uint64_t seed = 1;
+};
+
+struct Item {
+  std::string completion;
+  std::string reference;
+};
+
+std::vector<std::string> load_answers(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(dir)) throw_not_found("--data-dir: '{}' is not a directory", dir);
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".jsonl") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  std::vector<std::string> out;
+  for (const auto& f : files) {
+    std::ifstream in(f);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.empty()) continue;
+      auto j = nlohmann::json::parse(line);
+      const auto& a = j.at("answer");
+      const auto& first = a.is_array() ? a.at(0) : a;
+      out.push_back(first.is_string() ? first.get<std::string>() : first.dump());
+    }
+  }
+  if (out.empty()) throw_not_found("--data-dir: no answers in '{}'", dir);
+  return out;
+}
+
+std::string replace_all(std::string s, std::string_view from, std::string_view to) {
+  std::size_t p = 0;
+  while ((p = s.find(from, p)) != std::string::npos) {
+    s.replace(p, from.size(), to);
+    p += to.size();
+  }
+  return s;
+}
+
+std::string boxed_sentence(const std::string& a) { return "So the answer is $\\boxed{" + a + "}$."; }
+
+std::string reasoning(std::mt19937_64& rng) {
+  static const char* kSentences[] = {
+      "Let $x$ be the unknown quantity, so that $2x + 3 = 11$ and hence $x = 4$. ",
+      "We expand $(a+b)^2 = a^2 + 2ab + b^2$ and compare coefficients. ",
+      "By the Pythagorean theorem, $c = \\sqrt{a^2 + b^2} = \\sqrt{9 + 16} = 5$. ",
+      "Wait, let me double-check the arithmetic: $\\frac{3}{4} + \\frac{1}{8} = \\frac{7}{8}$. ",
+      "Summing the series gives $\\sum_{k=1}^{n} k = \\frac{n(n+1)}{2}$. ",
+      "Hmm, that does not look right, so we try another approach. ",
+      "The discriminant is $b^2 - 4ac = 25 - 24 = 1 > 0$, so there are two real roots. "};
+  std::string s;
+  int n = 20 + static_cast<int>(rng() % 40);
+  for (int k = 0; k < n; ++k) s += kSentences[rng() % std::size(kSentences)];
+  return s;
+}
+
+std::vector<Item> build(const std::string& workload, const std::vector<std::string>& answers,
+                        std::uint64_t seed) {
+  std::vector<Item> items;
+  std::mt19937_64 rng(seed);
+  for (std::size_t i = 0; i < answers.size(); ++i) {
+    const std::string& a = answers[i];
+    if (workload == "reference_self") {
+      items.push_back({boxed_sentence(a), a});
+    } else if (workload == "reference_rewrites") {
+      items.push_back({boxed_sentence(replace_all(a, "\\frac", "\\dfrac")), a});
+      if (a.find("\\left") == std::string::npos)
+        items.push_back({boxed_sentence(replace_all(replace_all(a, "(", "\\left("), ")", "\\right)")), a});
+      items.push_back({boxed_sentence(" " + replace_all(a, "+", " + ") + " "), a});
+      items.push_back({boxed_sentence(a + "."), a});
+      if (a.find('=') == std::string::npos && a.find("\\ge") == std::string::npos &&
+          a.find("\\le") == std::string::npos)
+        items.push_back({boxed_sentence("x = " + a), a});
+    } else {
+      if (i % 3 != 0) continue;  // a third of the rows: completions are long
+      std::string body = reasoning(rng);
+      const std::string& other = answers[rng() % answers.size()];
+      bool integer = !a.empty() && a.find_first_not_of("0123456789") == std::string::npos && a.size() < 12;
+      if (integer && rng() % 2 == 0) {
+        // Answers that need the maths: 2n/2, n.0, n/1 + 0, a wrong neighbour.
+        static const char* kForms[] = {"\\frac{2*%}{2}", "%.0", "\\dfrac{%}{1}+0", "%+1", "\\sqrt{%^2}"};
+        std::string f = kForms[rng() % std::size(kForms)];
+        items.push_back({body + boxed_sentence(replace_all(f, "%", a)), a});
+        continue;
+      }
+      switch (rng() % 6) {
+        case 0: items.push_back({body + boxed_sentence(a), a}); break;
+        case 1: items.push_back({body + boxed_sentence(replace_all(a, "\\frac", "\\dfrac")), a}); break;
+        case 2: items.push_back({body + boxed_sentence(other), a}); break;
+        case 3: items.push_back({"<think>" + body + "</think>" + boxed_sentence(a), a}); break;
+        case 4: items.push_back({body + "The answer is " + a + ".", a}); break;
+        default: items.push_back({body + boxed_sentence("x = " + other), a}); break;
+      }
+    }
+  }
+  return items;
+}
+
+std::string_view trimmed(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\n' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\n' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+struct Measured {
+  double grades_per_s = 0, p50_us = 0, p99_us = 0;
+  long long n = 0, correct = 0;
+};
+
+template <typename F>
+Measured measure(const std::vector<Item>& items, double min_seconds, F&& one) {
+  Measured m;
+  std::vector<double> samples;
+  samples.reserve(items.size() * 4);
+  double busy = 0;
+  double start = now_seconds();
+  do {
+    for (const Item& it : items) {
+      double t0 = now_seconds();
+      bool ok = one(it);
+      double dt = now_seconds() - t0;
+      busy += dt;
+      samples.push_back(dt * 1e6);
+      m.correct += ok ? 1 : 0;
+      ++m.n;
+    }
+  } while (now_seconds() - start < min_seconds);
+  m.grades_per_s = busy > 0 ? static_cast<double>(m.n) / busy : 0;
+  m.p50_us = percentile(samples, 50);
+  m.p99_us = percentile(samples, 99);
+  return m;
+}
+
+int run(const BenchGradeOptions& o) {
+  std::vector<std::string> answers = load_answers(o.data_dir);
+  BenchReporter rep;
+  for (const char* workload : {"reference_self", "reference_rewrites", "sampled"}) {
+    std::vector<Item> items = build(workload, answers, o.seed);
+    Measured base = measure(items, o.seconds, [](const Item& it) {
+      auto box = reward::extract_last_boxed(reward::after_think(it.completion));
+      return box && (trimmed(*box) == trimmed(it.reference) ||
+                     reward::canonical_string_equal(*box, it.reference));
+    });
+    Measured full = measure(items, o.seconds, [](const Item& it) {
+      return reward::grade(it.completion, it.reference).correct;
+    });
+    nlohmann::json cfg = {{"workload", workload},
+                          {"items", items.size()},
+                          {"grades_timed", full.n},
+                          {"accuracy", full.n ? static_cast<double>(full.correct) / full.n : 0.0},
+                          {"baseline", "extract + canonical string check"},
+                          {"baseline_accuracy", base.n ? static_cast<double>(base.correct) / base.n : 0.0},
+                          {"threads", 1}};
+    std::string w = workload;
+    rep.emit({"grade", w + "_grades_per_s", full.grades_per_s, "grades/s", base.grades_per_s, cfg});
+    rep.emit({"grade", w + "_p50_us", full.p50_us, "us", base.p50_us, cfg});
+    rep.emit({"grade", w + "_p99_us", full.p99_us, "us", base.p99_us, cfg});
+  }
+  rep.print_table();
+  return 0;
+}
+
+}  // namespace
+
+void register_bench_grade(CLI::App& bench, Registry& reg) {
+  auto o = std::make_shared<BenchGradeOptions>();
+  auto* sub = bench.add_subcommand("grade", "maths verifier: grades/s and p99 per grade");
+  sub->add_option("--data-dir", o->data_dir, "directory of *.jsonl rows with 'answer'")->capture_default_str();
+  sub->add_option("--seconds", o->seconds, "minimum time per workload and method")->capture_default_str();
+  sub->add_option("--seed", o->seed, "seed of the sampled-completion generator")->capture_default_str();
+  reg.add(sub, [o] { return run(*o); });
+}
+
+}  // namespace lorasync::cli

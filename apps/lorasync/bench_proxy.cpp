@@ -1,0 +1,255 @@
+// `lorasync bench proxy`: the proxy (a child `lorasync proxy` process, one thread) in front of two
+// in-process stub replicas, driven by a GRPO-shaped trace at 32/128/384 concurrent requests.
+// Baseline (same run): the same load sent directly to the stubs (round robin). Reports req/s,
+// proxy-added latency p50/p99 (client latency minus the stub's reported service time), proxy CPU
+// seconds per 1k requests, proxy peak RSS, bytes per tracked block at 500k entries, routing
+// counters and the stubs' ground-truth prefix reuse.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <utility>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
+#include <atomic>
+#include <csignal>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "bench/proxy/grpo_trace.h"
+#include "bench/proxy/stub_replica.h"
+#include "commands.h"
+#include "http/client.h"
+#include "proxy/block_table.h"
+#include "util/bench_report.h"
+#include "util/error.h"
+#include "util/strings.h"
+
+namespace lorasync::cli {
+
+namespace {
+
+struct BenchProxyOptions {
+  std::string concurrency = "32,128,384";
+  int prompts = 256;
+  double stub_latency = 0;   // zero-service-time stubs by default
+  int proxy_threads = 1;
+  int client_threads = 1;
+};
+
+struct Child {
+  pid_t pid = -1;
+  std::uint16_t port = 0;
+};
+
+Child spawn_proxy(const std::vector<std::string>& upstreams, int threads) {
+  int fds[2];
+  if (pipe(fds) != 0) throw_env("pipe failed");
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    // Drop every inherited descriptor (the stubs' listening sockets among them).
+    for (int fd = 3; fd < 65536; ++fd) close(fd);
+    std::vector<std::string> args = {"lorasync", "--log-level", "warn", "proxy", "--listen", "127.0.0.1:0",
+                                     "--threads", std::to_string(threads), "--stats-log-interval", "0",
+                                     "--reconcile-interval", "0", "--upstream-token-env", ""};
+    for (const auto& u : upstreams) {
+      args.push_back("--upstream");
+      args.push_back(u);
+    }
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv("/proc/self/exe", argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  std::string line;
+  char c;
+  while (read(fds[0], &c, 1) == 1 && c != '\n') line += c;
+  close(fds[0]);
+  auto colon = line.rfind(':');
+  if (colon == std::string::npos) throw_env("proxy child did not start: '{}'", line);
+  Child ch;
+  ch.pid = pid;
+  ch.port = static_cast<std::uint16_t>(std::stoi(line.substr(colon + 1)));
+  return ch;
+}
+
+double proc_cpu_s(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(f)), {});
+  auto rp = s.rfind(')');
+  std::istringstream is(s.substr(rp + 2));
+  std::string tok;
+  std::vector<std::string> v;
+  while (is >> tok) v.push_back(tok);
+  double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  return (std::stod(v[11]) + std::stod(v[12])) / ticks;  // utime, stime
+}
+
+double proc_hwm_mb(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
+struct RunResult {
+  double req_per_s = 0, p50_ms = 0, p99_ms = 0;
+  std::size_t n = 0, errors = 0;
+};
+
+// Sends every trace request through `pools` (one chosen round robin) with `conc` workers.
+RunResult drive(const std::vector<std::string>& urls, const std::vector<bench::TraceRequest>& trace, int conc,
+                int client_threads) {
+  boost::asio::io_context ioc;  // declared before the pools: they must go first
+  std::vector<std::unique_ptr<http::Pool>> pools;
+  {
+    http::ClientOptions co;
+    co.max_connections = 1024;
+    std::string err;
+    for (const auto& u : urls) pools.push_back(std::make_unique<http::Pool>(*http::Url::parse(u, err), co));
+  }
+  std::atomic<std::size_t> next{0}, errors{0};
+  std::vector<double> added(trace.size(), 0);
+  http::Headers h;
+  h.add("Content-Type", "application/json");
+  const double t0 = now_seconds();
+  for (int w = 0; w < conc; ++w)
+    boost::asio::co_spawn(ioc, [&]() -> http::Task<void> {
+      for (;;) {
+        std::size_t i = next.fetch_add(1);
+        if (i >= trace.size()) co_return;
+        auto& pool = *pools[i % pools.size()];
+        double s = now_seconds();
+        auto f = co_await pool.fetch({"POST", "/v1/completions", &h, trace[i].body}, http::CallOptions{}, 1 << 20);
+        double lat = now_seconds() - s;
+        if (f.error != http::CallError::kNone || f.status != 200) {
+          ++errors;
+          continue;
+        }
+        double service = 0;
+        if (const auto* v = f.headers.find("X-Stub-Service-Us")) service = std::stod(*v) / 1e6;
+        added[i] = (lat - service) * 1000.0;
+      }
+    }, boost::asio::detached);
+  std::vector<std::thread> ts;
+  for (int t = 1; t < client_threads; ++t) ts.emplace_back([&] { ioc.run(); });
+  ioc.run();
+  for (auto& t : ts) t.join();
+  RunResult r;
+  double dt = now_seconds() - t0;
+  r.n = trace.size();
+  r.errors = errors.load();
+  r.req_per_s = static_cast<double>(r.n) / dt;
+  r.p50_ms = percentile(added, 50);
+  r.p99_ms = percentile(added, 99);
+  return r;
+}
+
+// A Pool's connections belong to the io_context that opened them: use a fresh pool here.
+nlohmann::json get_json(const http::Pool& base, const std::string& target) {
+  std::string err;
+  boost::asio::io_context ioc;  // outlives the pool
+  http::Pool pool(*http::Url::parse(base.url().str(), err), http::ClientOptions{});
+  nlohmann::json out;
+  boost::asio::co_spawn(ioc, [&]() -> http::Task<void> {
+    auto f = co_await pool.fetch({"GET", target, nullptr, ""}, http::CallOptions{}, 16 << 20);
+    if (f.error == http::CallError::kNone) out = nlohmann::json::parse(f.body, nullptr, false);
+  }, boost::asio::detached);
+  ioc.run();
+  return out;
+}
+
+int run(const BenchProxyOptions& o) {
+  std::signal(SIGPIPE, SIG_IGN);
+  BenchReporter rep;
+  // Memory per tracked block at 500k entries.
+  {
+    proxy::BlockTable t(500000);
+    for (std::uint64_t i = 0; i < 500000; ++i) t.find_or_insert(proxy::hash128(&i, sizeof i));
+    double per = static_cast<double>(t.memory_bytes()) / 500000.0;
+    rep.emit({"proxy", "bytes_per_tracked_block", per, "B", 660.0, {{"entries", 500000}, {"baseline", "reference (~660 B)"}}});
+  }
+  for (const auto& cs : split(o.concurrency, ',')) {
+    int conc = std::stoi(std::string(trim(cs)));
+    bench::StubOptions so;
+    so.latency_s = o.stub_latency;
+    so.threads = 1;
+    bench::StubReplica s0(so), s1([&] { auto x = so; x.index = 1; return x; }());
+    s0.start();
+    s1.start();
+    bench::TraceOptions to;
+    to.prompts = o.prompts;
+    auto trace = bench::make_grpo_trace(to);
+    http::ClientOptions co;
+    co.max_connections = 1024;
+    // Baseline: direct to the stubs.
+    std::vector<std::unique_ptr<http::Pool>> direct;
+    std::string err;
+    direct.push_back(std::make_unique<http::Pool>(*http::Url::parse(s0.url(), err), co));
+    direct.push_back(std::make_unique<http::Pool>(*http::Url::parse(s1.url(), err), co));
+    RunResult base = drive({s0.url(), s1.url()}, trace, conc, o.client_threads);
+    // Through the proxy (fresh stubs' cache would be polluted; counters are read from the proxy).
+    std::uint64_t p0 = s0.prompt_tokens() + s1.prompt_tokens(), c0 = s0.cached_tokens() + s1.cached_tokens();
+    Child ch = spawn_proxy({s0.url(), s1.url()}, o.proxy_threads);
+    std::vector<std::unique_ptr<http::Pool>> via;
+    via.push_back(std::make_unique<http::Pool>(*http::Url::parse("http://127.0.0.1:" + std::to_string(ch.port), err), co));
+    // Reset the stubs' caches so prefill reuse reflects the proxy's routing only.
+    get_json(*direct[0], "/reset_prefix_cache");
+    get_json(*direct[1], "/reset_prefix_cache");
+    double cpu0 = proc_cpu_s(ch.pid);
+    RunResult prox = drive({via[0]->url().str()}, trace, conc, o.client_threads);
+    double cpu = proc_cpu_s(ch.pid) - cpu0;
+    double rss = proc_hwm_mb(ch.pid);
+    nlohmann::json stats = get_json(*via[0], "/proxy/stats");
+    kill(ch.pid, SIGTERM);
+    int st;
+    waitpid(ch.pid, &st, 0);
+    std::uint64_t pt = s0.prompt_tokens() + s1.prompt_tokens() - p0, ct = s0.cached_tokens() + s1.cached_tokens() - c0;
+    nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
+                          {"proxy_threads", o.proxy_threads}, {"errors", prox.errors}, {"baseline", "direct to stubs"}};
+    rep.emit({"proxy", "requests_per_s", prox.req_per_s, "req/s", base.req_per_s, cfg});
+    rep.emit({"proxy", "added_latency_p50_ms", prox.p50_ms, "ms", base.p50_ms, cfg});
+    rep.emit({"proxy", "added_latency_p99_ms", prox.p99_ms, "ms", base.p99_ms, cfg});
+    rep.emit({"proxy", "cpu_s_per_1k_requests", cpu * 1000.0 / static_cast<double>(trace.size()), "s", std::nullopt, cfg});
+    rep.emit({"proxy", "proxy_peak_rss_mb", rss, "MiB", std::nullopt, cfg});
+    if (stats.is_object()) {
+      auto& r = stats["router"];
+      double routed = r.value("routed", 0.0);
+      auto c2 = cfg;
+      c2["affinity"] = r["affinity"];
+      c2["spilled"] = r["spilled"];
+      c2["unmatched"] = r["unmatched"];
+      c2["tracked_blocks"] = r["tracked_blocks"];
+      rep.emit({"proxy", "unmatched_fraction", routed > 0 ? r.value("unmatched", 0.0) / routed : 0, "fraction", 1.0 / to.group, c2});
+      rep.emit({"proxy", "affinity_fraction", routed > 0 ? r.value("affinity", 0.0) / routed : 0, "fraction", std::nullopt, c2});
+    }
+    rep.emit({"proxy", "stub_prefill_reuse", pt ? static_cast<double>(ct) / static_cast<double>(pt) : 0, "fraction",
+              std::nullopt, cfg});
+    s0.stop();
+    s1.stop();
+  }
+  rep.print_table();
+  return 0;
+}
+
+}  // namespace
+
+void register_bench_proxy(CLI::App& bench, Registry& reg) {
+  auto o = std::make_shared<BenchProxyOptions>();
+  auto* sub = bench.add_subcommand("proxy", "the proxy in front of stub replicas on a GRPO trace");
+  sub->add_option("--concurrency", o->concurrency, "comma list")->capture_default_str();
+  sub->add_option("--prompts", o->prompts, "GRPO prompts (x G=8 requests)")->capture_default_str();
+  sub->add_option("--stub-latency", o->stub_latency, "stub service time, s")->capture_default_str();
+  sub->add_option("--proxy-threads", o->proxy_threads)->capture_default_str();
+  sub->add_option("--client-threads", o->client_threads)->capture_default_str();
+  reg.add(sub, [o] { return run(*o); });
+}
+
+}  // namespace lorasync::cli

@@ -1,0 +1,263 @@
+#include "bench/proxy/stub_replica.h"
+
+#include <utility>
+
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+#include "proxy/prompt_scan.h"
+
+namespace lorasync::bench {
+
+namespace net = boost::asio;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+http::Task<void> nap(double s) {
+  if (s <= 0) co_return;
+  net::steady_timer t(co_await net::this_coro::executor);
+  t.expires_after(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)));
+  boost::system::error_code ec;
+  co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
+}
+}  // namespace
+
+StubReplica::StubReplica(StubOptions o) : opts_(std::move(o)) {
+  latency_s.store(opts_.latency_s);
+  load_fail_status.store(opts_.load_fail_status);
+  http::ServerOptions so;
+  so.host = opts_.host;
+  so.port = opts_.port;
+  so.threads = opts_.threads;
+  server_ = std::make_unique<http::Server>(so, [this](http::Request& r, http::ResponseWriter& w) { return handle(r, w); });
+}
+
+StubReplica::~StubReplica() { stop(); }
+void StubReplica::start() { server_->start(); }
+void StubReplica::stop() {
+  if (server_) server_->stop(0.5);
+}
+std::uint16_t StubReplica::port() const { return server_->port(); }
+std::string StubReplica::url() const { return "http://127.0.0.1:" + std::to_string(port()); }
+
+std::vector<StubCall> StubReplica::calls() const {
+  std::lock_guard lk(mu_);
+  return calls_;
+}
+std::vector<std::string> StubReplica::loaded() const {
+  std::lock_guard lk(mu_);
+  return loaded_;
+}
+void StubReplica::forget_adapters() {
+  std::lock_guard lk(mu_);
+  loaded_.clear();
+  cache_.clear();
+}
+
+http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w) {
+  const auto t0 = Clock::now();
+  const std::string path(req.path());
+  {
+    StubCall c;
+    c.method = req.method;
+    c.target = req.target;
+    for (const auto& h : req.headers) {
+      c.header_names.push_back(h.name);
+      if (http::iequals(h.name, "authorization")) {
+        ++c.headers_authorization;
+        c.authorization = h.value;
+      }
+      if (http::iequals(h.name, "x-request-id")) c.request_id = h.value;
+    }
+    if (path != "/v1/completions" && path != "/v1/chat/completions") c.body = req.body;
+    std::lock_guard lk(mu_);
+    if (calls_.size() < 100000) calls_.push_back(std::move(c));
+  }
+  auto json = [&](int status, nlohmann::json j) {
+    http::Response r = http::json_response(status, j.dump());
+    r.headers.add("X-Stub-Index", std::to_string(opts_.index));
+    return r;
+  };
+  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    proxy::PromptScan scan;
+    if (auto e = proxy::scan_routed_request(req.body, opts_.block_size, scan)) {
+      {
+        http::Response resp_ = http::error_response(400, e->message, e->param);
+        co_await w.send(std::move(resp_));
+      }
+      co_return;
+    }
+    // Prefix cache: leading blocks already present are cached.
+    const std::uint64_t unit = scan.kind == proxy::PromptKind::kText ? 4 * opts_.block_size : opts_.block_size;
+    std::uint64_t hit = 0;
+    {
+      std::lock_guard lk(mu_);
+      bool run = true;
+      for (const auto& b : scan.blocks) {
+        auto key = std::make_pair(b.lo, b.hi);
+        if (run && cache_.count(key)) hit += unit;
+        else run = false;
+        cache_.insert(key);
+      }
+    }
+    // Tokens: ids count as tokens; text as bytes / 4.
+    std::uint64_t prompt = scan.kind == proxy::PromptKind::kText ? scan.n_units / 4 : scan.n_units;
+    std::uint64_t cached = scan.kind == proxy::PromptKind::kText ? hit / 4 : hit;
+    prompt_tokens_ += prompt;
+    cached_tokens_ += cached;
+    completions_ += 1;
+    open_completions_ += 1;
+    struct Close {
+      std::atomic<int>& n;
+      ~Close() { --n; }
+    } close{open_completions_};
+    if (hang.load()) {
+      while (!w.client_gone().fired() && hang.load()) co_await nap(0.005);
+      if (w.client_gone().fired()) {
+        ++client_gone_;
+        co_return;
+      }
+    }
+    double service = latency_s.load() + opts_.prefill_s_per_1k * static_cast<double>(prompt - cached) / 1000.0;
+    const bool stream = req.body.find("\"stream\":true") != std::string::npos || req.body.find("\"stream\": true") != std::string::npos;
+    nlohmann::json usage = {{"prompt_tokens", prompt}, {"completion_tokens", 1}, {"total_tokens", prompt + 1},
+                            {"cached_prompt_tokens", cached}};
+    if (!stream) {
+      co_await nap(service);
+      nlohmann::json j = {{"id", "cmpl-stub"}, {"object", "text_completion"}, {"model", scan.model},
+                          {"choices", {{{"index", 0}, {"text", "x"}, {"finish_reason", "length"}}}}, {"usage", usage}};
+      auto r = json(200, j);
+      r.headers.add("X-Stub-Service-Us", std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count()));
+      co_await w.send(std::move(r));
+      co_return;
+    }
+    co_await nap(service);
+    http::Headers h;
+    h.add("Content-Type", "text/event-stream");
+    h.add("X-Stub-Index", std::to_string(opts_.index));
+    if (!co_await w.start(200, h, std::nullopt)) co_return;
+    for (int i = 0; i < opts_.sse_events; ++i) {
+      nlohmann::json ev = {{"id", "cmpl-stub"}, {"choices", {{{"index", 0}, {"text", std::to_string(i)}}}}};
+      if (i + 1 == opts_.sse_events) ev["usage"] = usage;
+      if (!co_await w.write("data: " + ev.dump() + "\n\n")) {
+        ++client_gone_;
+        co_return;
+      }
+      co_await nap(opts_.sse_interval_s);
+      if (w.client_gone().fired()) {
+        ++client_gone_;
+        w.abort();
+        co_return;
+      }
+    }
+    co_await w.write("data: [DONE]\n\n");
+    co_await w.finish();
+    co_return;
+  }
+  if (path == "/v1/load_lora_adapter") {
+    nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
+    if (!j.is_object() || !j.contains("lora_name")) {
+      {
+        http::Response resp_ = http::error_response(400, "lora_name required", "lora_name");
+        co_await w.send(std::move(resp_));
+      }
+      co_return;
+    }
+    std::string name = j["lora_name"].get<std::string>();
+    std::string lpath = j.value("lora_path", std::string("/nowhere"));
+    int fail = load_fail_status.load();
+    std::unique_lock lk(mu_);
+    if (load_tries_++ < opts_.no_adapter_found_first) {
+      lk.unlock();
+      {
+        http::Response resp_ = http::error_response(404, "No adapter found for " + lpath, "lora_path");
+        co_await w.send(std::move(resp_));
+      }
+      co_return;
+    }
+    if (fail != 0) {
+      lk.unlock();
+      {
+        http::Response resp_ = http::error_response(fail, "stub refuses adapter " + name + " (rank too large)");
+        co_await w.send(std::move(resp_));
+      }
+      co_return;
+    }
+    if (std::find(loaded_.begin(), loaded_.end(), name) == loaded_.end()) loaded_.push_back(name);
+    lk.unlock();
+    {
+      http::Response resp_ = json(200, {{"status", "ok"}, {"lora_name", name}});
+      co_await w.send(std::move(resp_));
+    }
+    co_return;
+  }
+  if (path == "/v1/unload_lora_adapter") {
+    nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
+    std::string name = j.is_object() ? j.value("lora_name", std::string()) : std::string();
+    std::unique_lock lk(mu_);
+    auto it = std::find(loaded_.begin(), loaded_.end(), name);
+    if (it == loaded_.end()) {
+      lk.unlock();
+      {
+        http::Response resp_ = http::error_response(404, "adapter " + name + " not found", "lora_name");
+        co_await w.send(std::move(resp_));
+      }
+      co_return;
+    }
+    loaded_.erase(it);
+    lk.unlock();
+    {
+      http::Response resp_ = json(200, {{"status", "unloaded"}});
+      co_await w.send(std::move(resp_));
+    }
+    co_return;
+  }
+  if (path == "/v1/models") {
+    nlohmann::json data = nlohmann::json::array();
+    data.push_back({{"id", "base"}, {"object", "model"}});
+    for (const auto& n : loaded()) data.push_back({{"id", n}, {"object", "model"}, {"parent", "base"}});
+    {
+      http::Response resp_ = json(200, {{"object", "list"}, {"data", data}});
+      co_await w.send(std::move(resp_));
+    }
+    co_return;
+  }
+  if (path == "/health" || path == "/ping") {
+    int s = health_status.load();
+    {
+      http::Response resp_ = s == 200 ? json(200, {{"status", "ok"}}) : http::error_response(s, "stub unhealthy");
+      co_await w.send(std::move(resp_));
+    }
+    co_return;
+  }
+  if (path == "/pause" || path == "/resume" || path == "/reset_prefix_cache") {
+    if (path == "/reset_prefix_cache") {
+      std::lock_guard lk(mu_);
+      cache_.clear();
+    }
+    {
+      http::Response resp_ = json(200, {{"status", "ok"}});
+      co_await w.send(std::move(resp_));
+    }
+    co_return;
+  }
+  if (path == "/server_info") {
+    auto r = json(200, {{"stub", opts_.index}});
+    r.headers.add("Set-Cookie", "a=1");
+    r.headers.add("Set-Cookie", "b=2");
+    r.headers.add("Proxy-Authenticate", "Basic");
+    r.headers.add("Trailer", "X-Nothing");
+    co_await w.send(std::move(r));
+    co_return;
+  }
+  {
+    http::Response resp_ = http::error_response(404, "stub: no route " + path);
+    co_await w.send(std::move(resp_));
+  }
+}
+
+}  // namespace lorasync::bench

@@ -1,0 +1,84 @@
+// bench/proxy/stub_replica.h: a fake inference replica for proxy tests and `bench proxy`.
+//
+// Speaks the subset of http-api.md the proxy uses: completions (JSON or SSE), adapter load and
+// unload (optionally answering "No adapter found" for the first K load tries, or a fixed failure
+// status), /v1/models, /health (status settable), /pause, /resume, /reset_prefix_cache,
+// /server_info. It simulates a prefix cache over the same chained block hashes as the proxy
+// (unbounded, cleared by /reset_prefix_cache) and reports usage.cached_prompt_tokens, plus the
+// service time it spent in the X-Stub-Service-Us header (so a benchmark can subtract it).
+// Every call is logged (method, target, Authorization, X-Request-Id) for tests.
+// Thread-safety: all members are thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "http/server.h"
+#include "proxy/hash128.h"
+
+namespace lorasync::bench {
+
+struct StubOptions {
+  int index = 0;                  // reported in /server_info and X-Stub-Index
+  std::string host = "127.0.0.1";
+  std::uint16_t port = 0;
+  int threads = 1;
+  double latency_s = 0;           // service time of a completion
+  double prefill_s_per_1k = 0;    // extra service time per 1k uncached prompt tokens
+  int no_adapter_found_first = 0; // first K load tries answer 404 No adapter found
+  int load_fail_status = 0;       // != 0: every load answers this status
+  int sse_events = 4;             // events in a streamed completion
+  double sse_interval_s = 0;      // gap between events
+  std::size_t block_size = 16;
+};
+
+struct StubCall {
+  std::string method, target, authorization, request_id, body;
+  int headers_authorization = 0;  // how many Authorization headers arrived
+  std::vector<std::string> header_names;
+};
+
+class StubReplica {
+ public:
+  explicit StubReplica(StubOptions o);
+  ~StubReplica();
+  void start();
+  void stop();
+  std::uint16_t port() const;
+  std::string url() const;
+
+  // Runtime controls.
+  std::atomic<int> health_status{200};
+  std::atomic<bool> hang{false};          // completions never answer (until the client leaves)
+  std::atomic<double> latency_s{0};
+  std::atomic<int> load_fail_status{0};
+
+  std::vector<StubCall> calls() const;
+  std::vector<std::string> loaded() const;
+  void forget_adapters();                 // simulate a restart without state
+  std::uint64_t prompt_tokens() const { return prompt_tokens_.load(); }
+  std::uint64_t cached_tokens() const { return cached_tokens_.load(); }
+  std::uint64_t completions() const { return completions_.load(); }
+  int open_completions() const { return open_completions_.load(); }
+  std::uint64_t client_gone_seen() const { return client_gone_.load(); }
+
+ private:
+  http::Task<void> handle(http::Request& req, http::ResponseWriter& w);
+
+  StubOptions opts_;
+  std::unique_ptr<http::Server> server_;
+  mutable std::mutex mu_;
+  std::vector<StubCall> calls_;
+  std::vector<std::string> loaded_;
+  std::set<std::pair<std::uint64_t, std::uint64_t>> cache_;
+  int load_tries_ = 0;
+  std::atomic<std::uint64_t> prompt_tokens_{0}, cached_tokens_{0}, completions_{0}, client_gone_{0};
+  std::atomic<int> open_completions_{0};
+};
+
+}  // namespace lorasync::bench

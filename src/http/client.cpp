@@ -1,0 +1,437 @@
+// The client side of src/http (the other Beast translation unit). Requests are framed by hand;
+// responses are parsed by Beast's response_parser<buffer_body>, which decodes chunked framing and
+// lets the caller relay each piece as soon as it is read.
+#include <utility>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
+
+#include <chrono>
+#include <deque>
+#include <limits>
+#include <mutex>
+
+#include "http/client.h"
+#include "util/error.h"
+#include "util/log.h"
+
+namespace lorasync::http {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = beast::http;
+using tcp = net::ip::tcp;
+using Clock = std::chrono::steady_clock;
+
+const char* call_error_name(CallError e) {
+  switch (e) {
+    case CallError::kNone: return "none";
+    case CallError::kConnect: return "connect_error";
+    case CallError::kConnectTimeout: return "connect_timeout";
+    case CallError::kPoolTimeout: return "pool_timeout";
+    case CallError::kResetBeforeStatus: return "reset_before_status";
+    case CallError::kFirstByteTimeout: return "first_byte_timeout";
+    case CallError::kIdleTimeout: return "idle_timeout";
+    case CallError::kTotalTimeout: return "total_timeout";
+    case CallError::kBodyError: return "body_error";
+    case CallError::kProtocol: return "protocol_error";
+    case CallError::kCancelled: return "cancelled";
+  }
+  return "?";
+}
+
+bool is_timeout(CallError e) {
+  return e == CallError::kConnectTimeout || e == CallError::kPoolTimeout || e == CallError::kFirstByteTimeout ||
+         e == CallError::kIdleTimeout || e == CallError::kTotalTimeout;
+}
+
+namespace {
+
+constexpr std::size_t kPiece = 64 * 1024;
+
+Clock::duration secs(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+struct Conn {
+  std::unique_ptr<beast::tcp_stream> tcp;
+  std::unique_ptr<beast::ssl_stream<beast::tcp_stream>> tls;
+  beast::flat_buffer buf;
+  Clock::time_point idle_since{};
+  bool broken = false;
+  beast::tcp_stream& lowest() { return tls ? beast::get_lowest_layer(*tls) : *tcp; }
+  void close() {
+    broken = true;
+    beast::error_code ec;
+    lowest().socket().shutdown(tcp::socket::shutdown_both, ec);
+    lowest().socket().close(ec);
+  }
+};
+
+template <typename F>
+auto on_stream(Conn& c, F&& f) {
+  if (c.tls) return f(*c.tls);
+  return f(*c.tcp);
+}
+
+}  // namespace
+
+class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
+ public:
+  Impl(Url u, ClientOptions o) : url(std::move(u)), opts(std::move(o)) {
+    if (url.tls()) {
+      ssl.emplace(net::ssl::context::tls_client);
+      ssl->set_verify_mode(opts.verify_peer ? net::ssl::verify_peer : net::ssl::verify_none);
+      beast::error_code ec;
+      if (!opts.ca_file.empty()) ssl->load_verify_file(opts.ca_file, ec);
+      else ssl->set_default_verify_paths(ec);
+      if (ec) throw_env("cannot load CA certificates '{}': {}", opts.ca_file, ec.message());
+    }
+  }
+
+  struct Waiter {
+    bool granted = false;
+    std::unique_ptr<Conn> conn;  // a handed-over idle connection, or null: open a new one
+  };
+
+  Url url;
+  ClientOptions opts;
+  std::optional<net::ssl::context> ssl;
+  mutable std::mutex mu;
+  std::vector<std::unique_ptr<Conn>> idle;  // most recent at the back
+  std::size_t open = 0;                     // open connections + reserved slots
+  std::deque<std::shared_ptr<Waiter>> waiters;
+
+  // A connection (reused) or null with a reserved slot (open a new one). nullopt: timed out.
+  Task<std::optional<std::unique_ptr<Conn>>> acquire(bool fresh, Clock::time_point deadline) {
+    std::shared_ptr<Waiter> w;
+    {
+      std::lock_guard lk(mu);
+      auto now = Clock::now();
+      while (!idle.empty()) {
+        std::unique_ptr<Conn> c = std::move(idle.back());
+        idle.pop_back();
+        if (fresh || now - c->idle_since > secs(opts.keepalive_s)) {
+          c->close();
+          --open;
+          continue;
+        }
+        co_return std::optional<std::unique_ptr<Conn>>(std::move(c));
+      }
+      if (open < opts.max_connections) {
+        ++open;
+        co_return std::optional<std::unique_ptr<Conn>>(std::unique_ptr<Conn>());
+      }
+      w = std::make_shared<Waiter>();
+      waiters.push_back(w);
+    }
+    // Wait in FIFO order; poll the grant flag every 20 ms so no wake-up can be lost.
+    net::steady_timer timer(co_await net::this_coro::executor);
+    for (;;) {
+      {
+        std::lock_guard lk(mu);
+        if (w->granted) {
+          std::unique_ptr<Conn> c = std::move(w->conn);
+          if (c && fresh) {
+            c->close();
+            c.reset();
+          }
+          co_return std::optional<std::unique_ptr<Conn>>(std::move(c));
+        }
+        if (Clock::now() >= deadline) {
+          std::erase(waiters, w);
+          co_return std::nullopt;
+        }
+      }
+      timer.expires_after(std::min<Clock::duration>(std::chrono::milliseconds(20), deadline - Clock::now()));
+      beast::error_code ec;
+      co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
+    }
+  }
+
+  void release(std::unique_ptr<Conn> c, bool reusable) {
+    std::lock_guard lk(mu);
+    if (!reusable && c) {
+      c->close();
+      c.reset();
+    }
+    if (!waiters.empty()) {
+      auto w = waiters.front();
+      waiters.pop_front();
+      w->granted = true;
+      w->conn = std::move(c);  // the slot moves to the waiter either way
+      return;
+    }
+    if (c) {
+      c->idle_since = Clock::now();
+      idle.push_back(std::move(c));
+    } else {
+      --open;
+    }
+  }
+
+  Task<CallError> connect(Conn& c, Clock::time_point deadline, std::string& msg) {
+    auto ex = co_await net::this_coro::executor;
+    beast::error_code ec;
+    tcp::resolver res(ex);
+    auto results = co_await res.async_resolve(url.host, std::to_string(url.port),
+                                              net::redirect_error(net::use_awaitable, ec));
+    if (ec) {
+      msg = "cannot resolve " + url.host + ": " + ec.message();
+      co_return CallError::kConnect;
+    }
+    if (ssl) c.tls = std::make_unique<beast::ssl_stream<beast::tcp_stream>>(ex, *ssl);
+    else c.tcp = std::make_unique<beast::tcp_stream>(ex);
+    auto limit = std::min(Clock::now() + secs(opts.connect_timeout_s), deadline);
+    c.lowest().expires_at(limit);
+    co_await c.lowest().async_connect(results, net::redirect_error(net::use_awaitable, ec));
+    if (ec) {
+      msg = "connect to " + url.str() + " failed: " + ec.message();
+      co_return ec == beast::error::timeout ? CallError::kConnectTimeout : CallError::kConnect;
+    }
+    c.lowest().socket().set_option(tcp::no_delay(true), ec);
+    if (c.tls) {
+      if (!SSL_set_tlsext_host_name(c.tls->native_handle(), url.host.c_str())) {
+        msg = "cannot set SNI host name";
+        co_return CallError::kConnect;
+      }
+      if (opts.verify_peer) c.tls->set_verify_callback(net::ssl::host_name_verification(url.host));
+      co_await c.tls->async_handshake(net::ssl::stream_base::client, net::redirect_error(net::use_awaitable, ec));
+      if (ec) {
+        msg = "TLS handshake with " + url.str() + " failed: " + ec.message();
+        co_return ec == beast::error::timeout ? CallError::kConnectTimeout : CallError::kConnect;
+      }
+    }
+    c.lowest().expires_never();
+    co_return CallError::kNone;
+  }
+};
+
+class ResponseStream::Impl {
+ public:
+  std::shared_ptr<Pool::Impl> pool;
+  std::unique_ptr<Conn> conn;
+  std::unique_ptr<bhttp::response_parser<bhttp::buffer_body>> parser;
+  Headers headers;
+  int status = 0;
+  bool reused = false;
+  bool finished = false;
+  CallOptions opts;
+  Clock::time_point deadline;
+  CancelSignal::Id cancel_id = 0;
+  std::string piece;
+
+  ~Impl() { finish(false); }
+
+  void finish(bool reusable) {
+    if (!conn) return;
+    if (opts.cancel && cancel_id) opts.cancel->unsubscribe(cancel_id);
+    cancel_id = 0;
+    bool keep = reusable && !conn->broken && conn->buf.size() == 0;
+    conn->lowest().expires_never();
+    pool->release(std::move(conn), keep);
+  }
+
+  CallError timeout_kind(CallError phase) const {
+    return Clock::now() + std::chrono::milliseconds(1) >= deadline ? CallError::kTotalTimeout : phase;
+  }
+};
+
+ResponseStream::ResponseStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ResponseStream::~ResponseStream() = default;
+int ResponseStream::status() const { return impl_->status; }
+const Headers& ResponseStream::headers() const { return impl_->headers; }
+std::optional<std::uint64_t> ResponseStream::content_length() const {
+  auto cl = impl_->parser->content_length();
+  if (cl) return *cl;
+  return std::nullopt;
+}
+bool ResponseStream::chunked() const { return impl_->parser->chunked(); }
+bool ResponseStream::done() const { return impl_->finished; }
+bool ResponseStream::reused_connection() const { return impl_->reused; }
+
+Task<CallError> ResponseStream::read(std::string_view& piece) {
+  auto& I = *impl_;
+  piece = {};
+  if (I.finished) co_return CallError::kNone;
+  if (!I.conn) co_return CallError::kBodyError;
+  if (I.piece.size() != kPiece) I.piece.resize(kPiece);
+  for (;;) {
+    if (I.parser->is_done()) {
+      I.finished = true;
+      I.finish(I.parser->get().keep_alive());
+      co_return CallError::kNone;
+    }
+    auto& body = I.parser->get().body();
+    body.data = I.piece.data();
+    body.size = I.piece.size();
+    beast::error_code ec;
+    I.conn->lowest().expires_at(std::min(Clock::now() + secs(I.opts.idle_timeout_s), I.deadline));
+    Conn& c = *I.conn;
+    co_await on_stream(c, [&](auto& s) {
+      return bhttp::async_read_some(s, c.buf, *I.parser, net::redirect_error(net::use_awaitable, ec));
+    });
+    if (ec == bhttp::error::need_buffer) ec = {};
+    if (ec) {
+      CallError e = (I.opts.cancel && I.opts.cancel->fired()) ? CallError::kCancelled
+                    : ec == beast::error::timeout            ? I.timeout_kind(CallError::kIdleTimeout)
+                                                             : CallError::kBodyError;
+      I.conn->close();
+      I.finish(false);
+      co_return e;
+    }
+    std::size_t n = I.piece.size() - body.size;
+    if (n > 0) {
+      piece = std::string_view(I.piece.data(), n);
+      co_return CallError::kNone;
+    }
+  }
+}
+
+Task<CallError> ResponseStream::read_all(std::string& out, std::size_t limit) {
+  for (;;) {
+    std::string_view p;
+    CallError e = co_await read(p);
+    if (e != CallError::kNone) co_return e;
+    if (p.empty() && done()) co_return CallError::kNone;
+    if (out.size() < limit) out.append(p.substr(0, limit - out.size()));
+  }
+}
+
+Pool::Pool(Url url, ClientOptions options) : impl_(std::make_shared<Impl>(std::move(url), std::move(options))) {}
+Pool::~Pool() = default;
+const Url& Pool::url() const { return impl_->url; }
+
+std::size_t Pool::idle_connections() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->idle.size();
+}
+std::size_t Pool::open_connections() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->open;
+}
+void Pool::close_idle() {
+  std::lock_guard lk(impl_->mu);
+  for (auto& c : impl_->idle) {
+    c->close();
+    --impl_->open;
+  }
+  impl_->idle.clear();
+}
+
+Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
+  auto P = impl_;
+  const auto deadline = o.total_timeout_s > 0 ? Clock::now() + secs(o.total_timeout_s) : Clock::time_point::max();
+  std::string head;
+  head.reserve(512 + rq.body.size() * 0);
+  head.append(rq.method).append(" ").append(P->url.prefix).append(rq.target).append(" HTTP/1.1\r\nHost: ");
+  head.append(P->url.host_header()).append("\r\n");
+  if (rq.headers)
+    for (const auto& h : *rq.headers) {
+      if (iequals(h.name, "host") || iequals(h.name, "content-length") || is_hop_by_hop(h.name)) continue;
+      head.append(h.name).append(": ").append(h.value).append("\r\n");
+    }
+  bool body_method = !rq.body.empty() || rq.method == "POST" || rq.method == "PUT" || rq.method == "PATCH";
+  if (body_method) head.append("Content-Length: ").append(std::to_string(rq.body.size())).append("\r\n");
+  head.append("\r\n");
+
+  bool fresh = o.fresh_connection;
+  for (int attempt = 0;; ++attempt) {
+    CallResult out;
+    if (o.cancel && o.cancel->fired()) {
+      out.error = CallError::kCancelled;
+      out.message = "client went away";
+      co_return out;
+    }
+    auto got = co_await P->acquire(fresh, deadline);
+    if (!got) {
+      out.error = CallError::kPoolTimeout;
+      out.message = "no free connection to " + P->url.str() + " within the total timeout";
+      co_return out;
+    }
+    auto impl = std::make_unique<ResponseStream::Impl>();
+    impl->pool = P;
+    impl->opts = o;
+    impl->deadline = deadline;
+    impl->reused = static_cast<bool>(*got);
+    impl->conn = std::move(*got);
+    if (!impl->conn) {
+      impl->conn = std::make_unique<Conn>();
+      CallError e = co_await P->connect(*impl->conn, deadline, out.message);
+      if (e != CallError::kNone) {
+        impl->conn->broken = true;
+        impl->finish(false);
+        out.error = (o.cancel && o.cancel->fired()) ? CallError::kCancelled : e;
+        co_return out;
+      }
+    }
+    Conn* conn = impl->conn.get();
+    if (o.cancel) impl->cancel_id = o.cancel->subscribe([conn] { conn->close(); });
+
+    beast::error_code ec;
+    conn->lowest().expires_at(std::min(Clock::now() + secs(o.first_byte_timeout_s), deadline));
+    std::array<net::const_buffer, 2> bufs{net::buffer(head), net::buffer(rq.body.data(), rq.body.size())};
+    co_await on_stream(*conn, [&](auto& s) {
+      return net::async_write(s, bufs, net::redirect_error(net::use_awaitable, ec));
+    });
+    if (!ec) {
+      impl->parser = std::make_unique<bhttp::response_parser<bhttp::buffer_body>>();
+      impl->parser->header_limit(1u << 20);
+      impl->parser->body_limit(std::numeric_limits<std::uint64_t>::max());
+      if (rq.method == "HEAD") impl->parser->skip(true);
+      co_await on_stream(*conn, [&](auto& s) {
+        return bhttp::async_read_header(s, conn->buf, *impl->parser, net::redirect_error(net::use_awaitable, ec));
+      });
+    }
+    if (ec) {
+      bool cancelled = o.cancel && o.cancel->fired();
+      bool reset = ec == net::error::eof || ec == bhttp::error::end_of_stream || ec == net::error::connection_reset ||
+                   ec == net::error::broken_pipe || ec == bhttp::error::partial_message;
+      out.message = "upstream " + P->url.str() + ": " + ec.message();
+      out.error = cancelled                          ? CallError::kCancelled
+                  : ec == beast::error::timeout      ? impl->timeout_kind(CallError::kFirstByteTimeout)
+                  : reset                            ? CallError::kResetBeforeStatus
+                  : ec.category() == beast::error_code(bhttp::error::bad_version).category() ? CallError::kProtocol
+                                                     : CallError::kResetBeforeStatus;
+      bool was_reused = impl->reused;
+      conn->close();
+      impl->finish(false);
+      if (out.error == CallError::kResetBeforeStatus && was_reused && !o.fresh_connection && attempt == 0) {
+        fresh = true;  // the server closed an idle connection: once more on a fresh one
+        continue;
+      }
+      co_return out;
+    }
+    auto& msg = impl->parser->get();
+    impl->status = static_cast<int>(msg.result_int());
+    for (const auto& f : msg) impl->headers.add(std::string(f.name_string()), std::string(f.value()));
+    out.response = std::make_unique<ResponseStream>(std::move(impl));
+    co_return out;
+  }
+}
+
+Task<Pool::Full> Pool::fetch(const OutRequest& rq, const CallOptions& o, std::size_t limit) {
+  Full f;
+  CallResult r = co_await call(rq, o);
+  if (!r.ok()) {
+    f.error = r.error;
+    f.message = std::move(r.message);
+    co_return f;
+  }
+  f.status = r.response->status();
+  f.headers = r.response->headers();
+  f.error = co_await r.response->read_all(f.body, limit);
+  if (f.error != CallError::kNone) f.message = std::string("reading the body failed: ") + call_error_name(f.error);
+  co_return f;
+}
+
+}  // namespace lorasync::http

@@ -1,0 +1,91 @@
+// http/server.h: an HTTP/1.1 server on Boost.Beast/Asio with C++20 coroutines.
+//
+// Thread model: one io_context run by `threads` threads. Each accepted connection is one coroutine
+// on its own strand; its handler calls and every client call the handler makes run on that strand.
+// Keep-alive: requests on a connection are served one after another.
+// Limits: headers > max_header_bytes -> 431; body > max_body_bytes -> 413 as soon as
+// Content-Length or the bytes read exceed it (then the connection closes). A request's headers and
+// body must arrive within client_timeout; an idle keep-alive connection closes after idle_timeout.
+// Client disconnect: while the handler runs, a readiness wait on the socket notices the peer
+// closing (also before any response byte) and fires ResponseWriter::client_gone().
+// Shutdown: stop() closes the acceptor and idle connections, lets running requests finish (their
+// connections then close) for up to `grace` seconds, then closes everything and joins the threads.
+// Thread-safety: Server members are thread-safe; a ResponseWriter belongs to its handler call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "http/async.h"
+#include "http/cancel.h"
+#include "http/http.h"
+
+namespace boost::asio {
+class io_context;
+}
+
+namespace lorasync::http {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";                // listen address
+  std::uint16_t port = 0;                        // 0: any free port (see Server::port())
+  int threads = 1;                               // io_context threads
+  std::size_t max_header_bytes = 64 * 1024;      // 431 beyond
+  std::uint64_t max_body_bytes = 64ull << 20;    // 413 beyond
+  double client_timeout_s = 60;                  // headers + body of one request
+  double idle_timeout_s = 75;                    // idle keep-alive connection
+  double write_timeout_s = 60;                   // one write to a client that stopped reading
+};
+
+// How a handler answers. Either send() once, or start() + write()* + finish(). Writes return
+// false when the client is gone (then stop producing). abort() closes the connection without a
+// valid end of body (so a truncated stream never looks complete).
+class ResponseWriter {
+ public:
+  virtual ~ResponseWriter() = default;
+  virtual Task<bool> send(Response response) = 0;
+  // Headers now; body framed by `content_length` if given, else chunked (SSE works either way).
+  virtual Task<bool> start(int status, const Headers& headers,
+                           std::optional<std::uint64_t> content_length) = 0;
+  virtual Task<bool> write(std::string_view data) = 0;
+  virtual Task<bool> finish() = 0;
+  virtual void abort() = 0;
+  virtual bool started() const = 0;          // any response byte went out
+  virtual CancelSignal& client_gone() = 0;   // fires when the client disconnects
+};
+
+// The request is owned by the server for the duration of the call; the handler may move its body.
+using Handler = std::function<Task<void>(Request&, ResponseWriter&)>;
+
+class Server {
+ public:
+  Server(ServerOptions options, Handler handler);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds and listens (Environment error on failure), then starts the threads.
+  void start();
+  std::uint16_t port() const;
+  // Graceful stop (idempotent); returns when the threads have exited.
+  void stop(double grace_s);
+  // Blocks until stop() finished (from another thread or a signal handler thread).
+  void wait();
+  // Requests being handled now.
+  int active_requests() const;
+
+  // The server's io_context, e.g. to co_spawn background coroutines (probes).
+  boost::asio::io_context& io();
+  // co_spawns `fn` on a new strand of the server's io_context (exceptions are logged).
+  void spawn(std::function<Task<void>()> fn);
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace lorasync::http

@@ -1,0 +1,551 @@
+// Fleet operations of the proxy: all-or-nothing adapter load with rollback (proxy.md §2.1),
+// broadcasts (§2.2), health fan-in (§2.3), the per-replica health state machine (§4.3) and the
+// adapter registry with re-sync and reconciliation (§4.4).
+#include <utility>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <nlohmann/json.hpp>
+
+#include "proxy/prompt_scan.h"
+#include "proxy/proxy_impl.h"
+#include "util/log.h"
+
+namespace lorasync::proxy {
+
+namespace {
+
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+bool contains(std::string_view hay, std::string_view needle) { return hay.find(needle) != std::string_view::npos; }
+
+nlohmann::json target_json(const TargetResult& t, const std::string& url) {
+  nlohmann::json j = {{"index", t.index}, {"url", url}, {"outcome", t.outcome},
+                      {"status", t.status ? nlohmann::json(*t.status) : nlohmann::json(nullptr)},
+                      {"attempts", t.attempts}, {"ms", static_cast<std::int64_t>(t.ms)}};
+  if (t.outcome != "ok" && t.outcome != "skipped") j["body"] = t.body;
+  if (!t.rollback.empty()) j["rollback"] = t.rollback;
+  return j;
+}
+
+// Runs fn(i) for each i concurrently on the current executor; waits for all.
+template <typename F>
+http::Task<void> for_all(const std::vector<int>& idx, F fn) {
+  auto done = std::make_shared<std::atomic<int>>(0);
+  auto ex = co_await boost::asio::this_coro::executor;
+  for (int i : idx)
+    boost::asio::co_spawn(ex, [fn, i, done]() -> http::Task<void> {
+      try {
+        co_await fn(i);
+      } catch (...) {
+      }
+      done->fetch_add(1);
+    }, boost::asio::detached);
+  while (done->load() < static_cast<int>(idx.size())) co_await sleep_for(0.001);
+}
+
+}  // namespace
+
+std::vector<std::string> Proxy::Impl::registry_names() const {
+  std::lock_guard lk(fleet_mu);
+  std::vector<std::string> n;
+  for (const auto& a : registry) n.push_back(a.name);
+  return n;
+}
+
+void Proxy::Impl::set_state(int r, ReplicaState s, const char* why) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
+  ReplicaState old = static_cast<ReplicaState>(rep.state.exchange(static_cast<int>(s)));
+  if (old != s) {
+    LS_LOG_INFO("proxy", "replica {} ({}) {} -> {} ({})", r, rep.url_str, state_name(old), state_name(s), why);
+    if (s == ReplicaState::kSyncing || s == ReplicaState::kEjected) router.purge_replica(r);
+  }
+}
+
+void Proxy::Impl::eject(int r, const std::string& reason) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
+  {
+    std::lock_guard lk(rep.mu);
+    if (rep.get() == ReplicaState::kEjected) return;
+    ++rep.consecutive_ejections;
+    double cool = std::min(60.0, cfg.eject_cooldown * static_cast<double>(1u << std::min(rep.consecutive_ejections - 1, 10)));
+    rep.ejected_until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cool));
+    rep.probe_successes = 0;
+  }
+  rep.ejections.fetch_add(1);
+  metrics.inc("ejections_total", "replica=\"" + std::to_string(r) + "\",reason=\"" + reason + "\"");
+  set_state(r, ReplicaState::kEjected, reason.c_str());
+}
+
+void Proxy::Impl::note_failure(int r, const std::string& kind, bool counts) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
+  rep.failures.fetch_add(1);
+  metrics.inc("upstream_failures_total", "replica=\"" + std::to_string(r) + "\",kind=\"" + kind + "\"");
+  if (!counts) return;
+  int n = rep.consecutive_failures.fetch_add(1) + 1;
+  if (n >= cfg.eject_after && rep.get() == ReplicaState::kInService) eject(r, "failures");
+}
+
+void Proxy::Impl::note_success(int r) { replicas[static_cast<std::size_t>(r)]->consecutive_failures.store(0); }
+
+// ---- adapter load -----------------------------------------------------------------------------
+
+http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, const std::string& rid) {
+  const auto t0 = Clock::now();
+  std::string name;
+  if (auto e = scan_lora_name(req.body, name))
+    co_return http::error_response(400, "proxy: " + e->message, e->param);
+  co_await fleet_lock.lock();
+  struct Unlock {
+    AsyncMutex& m;
+    ~Unlock() { m.unlock(); }
+  } unlock{fleet_lock};
+
+  const int N = static_cast<int>(replicas.size());
+  std::vector<TargetResult> res(static_cast<std::size_t>(N));
+  std::vector<int> targets;
+  for (int r = 0; r < N; ++r) {
+    res[static_cast<std::size_t>(r)].index = r;
+    if (cfg.strict_broadcast || replicas[static_cast<std::size_t>(r)]->get() == ReplicaState::kInService) targets.push_back(r);
+  }
+  if (targets.empty()) co_return http::error_response(503, "proxy: no replica in service to load " + name, "", "proxy_error");
+
+  const http::Headers hdrs = upstream_headers(req, rid);
+  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.adapter_load_deadline));
+  co_await for_all(targets, [&](int r) -> http::Task<void> {
+    TargetResult& t = res[static_cast<std::size_t>(r)];
+    Replica& rep = *replicas[static_cast<std::size_t>(r)];
+    const auto ts = Clock::now();
+    for (;;) {
+      double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+      double attempt_to = std::max(0.001, std::min(cfg.adapter_attempt_timeout, left));
+      ++t.attempts;
+      rep.inflight_all.fetch_add(1);
+      auto f = co_await rep.pool->fetch({req.method, req.target, &hdrs, req.body}, call_options(attempt_to, nullptr, true), 64 * 1024);
+      rep.inflight_all.fetch_sub(1);
+      if (f.error != http::CallError::kNone) {
+        t.outcome = http::is_timeout(f.error) ? "timeout" : "transport_error";
+        t.body = redact(f.message).substr(0, 300);
+        note_failure(r, http::call_error_name(f.error), true);
+        break;
+      }
+      t.status = f.status;
+      if (f.status == 200) {
+        t.outcome = "ok";
+        note_success(r);
+        break;
+      }
+      if (contains(f.body, "No adapter found") &&
+          Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.adapter_retry_interval)) < deadline) {
+        co_await sleep_for(cfg.adapter_retry_interval);
+        continue;
+      }
+      t.outcome = "failed";
+      t.no_adapter_found = contains(f.body, "No adapter found");
+      t.body = redact(f.body).substr(0, 300);
+      break;
+    }
+    t.ms = ms_since(ts);
+    LS_LOG_INFO("proxy", "[{}] load {} on replica {}: {} status {} attempts {} {:.0f} ms", rid, name, r, t.outcome,
+                t.status ? std::to_string(*t.status) : "-", t.attempts, t.ms);
+  });
+
+  int ok = 0, failed = 0, skipped = 0;
+  for (int r = 0; r < N; ++r) {
+    TargetResult& t = res[static_cast<std::size_t>(r)];
+    bool targeted = std::find(targets.begin(), targets.end(), r) != targets.end();
+    if (!targeted) {
+      ++skipped;
+      continue;
+    }
+    if (t.outcome == "ok") ++ok;
+    else if ((t.outcome == "transport_error" || t.outcome == "timeout") && !cfg.strict_broadcast) {
+      eject(r, "adapter_load");
+      ++skipped;
+    } else ++failed;
+  }
+  nlohmann::json j = {{"path", std::string(req.path())}, {"adapter", name}, {"total", N},
+                      {"succeeded", ok}, {"failed", failed}, {"skipped", skipped}};
+  int status = 200;
+  std::string error;
+  if (failed == 0 && ok > 0) {
+    {
+      std::lock_guard lk(fleet_mu);
+      std::erase_if(registry, [&](const RegisteredAdapter& a) { return a.name == name; });
+      registry.push_back({name, req.body, ++next_seq});
+    }
+    router.set_registered(registry_names());
+    metrics.inc("adapter_loads_total", "result=\"ok\"");
+  } else if (failed == 0) {
+    status = 503;
+    error = "proxy: every target was skipped loading " + name;
+    metrics.inc("adapter_loads_total", "result=\"skipped\"");
+  } else {
+    // Roll back on the replicas that accepted.
+    std::vector<int> accepted;
+    for (int r : targets)
+      if (res[static_cast<std::size_t>(r)].outcome == "ok") accepted.push_back(r);
+    const std::string unload_body = nlohmann::json{{"lora_name", name}}.dump();
+    http::Headers uh = hdrs;
+    uh.set("Content-Type", "application/json");
+    co_await for_all(accepted, [&](int r) -> http::Task<void> {
+      Replica& rep = *replicas[static_cast<std::size_t>(r)];
+      auto f = co_await rep.pool->fetch({"POST", "/v1/unload_lora_adapter", &uh, unload_body}, call_options(cfg.control_timeout, nullptr, true), 4096);
+      bool good = f.error == http::CallError::kNone && f.status == 200;
+      res[static_cast<std::size_t>(r)].rollback = good ? "ok" : "failed";
+      if (!good) {
+        std::lock_guard lk(rep.mu);
+        rep.pending_unloads.push_back(name);
+      }
+    });
+    const TargetResult* first_fail = nullptr;
+    for (int r : targets) {
+      const auto& t = res[static_cast<std::size_t>(r)];
+      if (t.outcome != "ok" && !(cfg.strict_broadcast == false && (t.outcome == "transport_error" || t.outcome == "timeout"))) {
+        first_fail = &t;
+        break;
+      }
+    }
+    status = first_fail->no_adapter_found ? 504
+             : first_fail->status         ? *first_fail->status
+             : first_fail->outcome == "timeout" ? 504 : 502;
+    error = "proxy: " + std::to_string(failed) + "/" + std::to_string(N) + " servers failed to load " + name +
+            "; rolled back on the others. First: " + replicas[static_cast<std::size_t>(first_fail->index)]->url_str + " -> " +
+            (first_fail->status ? std::to_string(*first_fail->status) : first_fail->outcome) + " " + first_fail->body;
+    metrics.inc("adapter_loads_total", "result=\"rolled_back\"");
+  }
+  metrics.observe("adapter_load_duration_seconds", "", ms_since(t0) / 1000.0);
+  j["ok"] = status == 200;
+  j["error"] = error.empty() ? nlohmann::json(nullptr) : nlohmann::json(redact(error));
+  j["replicas"] = nlohmann::json::array();
+  for (int r = 0; r < N; ++r) j["replicas"].push_back(target_json(res[static_cast<std::size_t>(r)], replicas[static_cast<std::size_t>(r)]->url_str));
+  if (status != 200) {
+    // OpenAI error shape as well, so clients reading `error.message` see the reason.
+    nlohmann::json e = nlohmann::json::parse(http::openai_error_json(status, redact(error), "", status >= 500 ? "proxy_error" : ""));
+    j["error"] = e["error"];
+    j["error"]["message"] = redact(error);
+  }
+  co_return http::json_response(status, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+// ---- broadcasts -------------------------------------------------------------------------------
+
+http::Task<http::Response> Proxy::Impl::handle_broadcast(const http::Request& req, const std::string& rid) {
+  const std::string path(req.path());
+  const bool unload = path == "/v1/unload_lora_adapter";
+  std::string name;
+  if (unload && req.method == "POST") {
+    if (auto e = scan_lora_name(req.body, name)) co_return http::error_response(400, "proxy: " + e->message, e->param);
+  }
+  co_await fleet_lock.lock();
+  struct Unlock {
+    AsyncMutex& m;
+    ~Unlock() { m.unlock(); }
+  } unlock{fleet_lock};
+  if (unload && !name.empty()) {
+    {
+      std::lock_guard lk(fleet_mu);
+      std::erase_if(registry, [&](const RegisteredAdapter& a) { return a.name == name; });
+    }
+    router.set_registered(registry_names());
+    if (cfg.unload_drain_timeout > 0) {
+      auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.unload_drain_timeout));
+      while (router.adapter_inflight(name) > 0 && Clock::now() < until) co_await sleep_for(0.01);
+    }
+  }
+  if (path == "/pause") {
+    std::lock_guard lk(fleet_mu);
+    pause_target = req.target;
+  } else if (path == "/resume") {
+    std::lock_guard lk(fleet_mu);
+    pause_target.reset();
+  }
+  const int N = static_cast<int>(replicas.size());
+  std::vector<TargetResult> res(static_cast<std::size_t>(N));
+  std::vector<int> targets;
+  for (int r = 0; r < N; ++r) {
+    res[static_cast<std::size_t>(r)].index = r;
+    if (cfg.strict_broadcast || replicas[static_cast<std::size_t>(r)]->get() == ReplicaState::kInService) targets.push_back(r);
+  }
+  const http::Headers hdrs = upstream_headers(req, rid);
+  co_await for_all(targets, [&](int r) -> http::Task<void> {
+    TargetResult& t = res[static_cast<std::size_t>(r)];
+    Replica& rep = *replicas[static_cast<std::size_t>(r)];
+    const auto ts = Clock::now();
+    t.attempts = 1;
+    auto f = co_await rep.pool->fetch({req.method, req.target, &hdrs, req.body}, call_options(cfg.control_timeout, nullptr, true), 64 * 1024);
+    t.ms = ms_since(ts);
+    if (f.error != http::CallError::kNone) {
+      t.outcome = http::is_timeout(f.error) ? "timeout" : "transport_error";
+      t.body = redact(f.message).substr(0, 300);
+      note_failure(r, http::call_error_name(f.error), true);
+    } else {
+      t.status = f.status;
+      t.outcome = f.status == 200 ? "ok" : "failed";
+      if (f.status != 200) t.body = redact(f.body).substr(0, 300);
+    }
+    if (unload && !name.empty() && t.outcome != "ok" && !(t.status && *t.status == 404)) {
+      std::lock_guard lk(rep.mu);
+      rep.pending_unloads.push_back(name);
+    }
+    if (path == "/reset_prefix_cache" && t.outcome == "ok") router.purge_replica(r);
+  });
+  int ok = 0, failed = 0, skipped = N - static_cast<int>(targets.size());
+  const TargetResult* first_fail = nullptr;
+  for (int r : targets) {
+    const auto& t = res[static_cast<std::size_t>(r)];
+    if (t.outcome == "ok") ++ok;
+    else {
+      ++failed;
+      if (!first_fail) first_fail = &t;
+    }
+  }
+  int status = 200;
+  std::string error;
+  if (!unload && first_fail) {
+    status = first_fail->status ? *first_fail->status : (first_fail->outcome == "timeout" ? 504 : 502);
+    error = "proxy: " + std::to_string(failed) + "/" + std::to_string(N) + " servers failed " + path + ". First: " +
+            replicas[static_cast<std::size_t>(first_fail->index)]->url_str + " -> " +
+            (first_fail->status ? std::to_string(*first_fail->status) : first_fail->outcome) + " " + first_fail->body;
+  }
+  nlohmann::json j = {{"ok", status == 200}, {"path", path}, {"total", N}, {"succeeded", ok}, {"failed", failed}, {"skipped", skipped}};
+  if (unload) j["adapter"] = name;
+  j["error"] = error.empty() ? nlohmann::json(nullptr) : nlohmann::json(redact(error));
+  j["replicas"] = nlohmann::json::array();
+  for (int r = 0; r < N; ++r) j["replicas"].push_back(target_json(res[static_cast<std::size_t>(r)], replicas[static_cast<std::size_t>(r)]->url_str));
+  co_return http::json_response(status, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+// ---- health fan-in ----------------------------------------------------------------------------
+
+http::Task<http::Response> Proxy::Impl::handle_fan_in(const http::Request& req, const std::string& rid) {
+  const int N = static_cast<int>(replicas.size());
+  std::vector<TargetResult> res(static_cast<std::size_t>(N));
+  std::vector<int> all;
+  for (int r = 0; r < N; ++r) {
+    all.push_back(r);
+    res[static_cast<std::size_t>(r)].index = r;
+  }
+  const http::Headers hdrs = upstream_headers(req, rid);
+  co_await for_all(all, [&](int r) -> http::Task<void> {
+    TargetResult& t = res[static_cast<std::size_t>(r)];
+    const auto ts = Clock::now();
+    t.attempts = 1;
+    auto f = co_await replicas[static_cast<std::size_t>(r)]->pool->fetch({req.method, req.target, &hdrs, req.body},
+                                                                        call_options(cfg.probe_timeout, nullptr, false), 4096);
+    t.ms = ms_since(ts);
+    if (f.error != http::CallError::kNone) {
+      t.outcome = http::is_timeout(f.error) ? "timeout" : "transport_error";
+      t.body = redact(f.message).substr(0, 300);
+    } else {
+      t.status = f.status;
+      t.outcome = f.status == 200 ? "ok" : "failed";
+      if (f.status != 200) t.body = redact(f.body).substr(0, 300);
+    }
+  });
+  int ok = 0;
+  const TargetResult* first_fail = nullptr;
+  for (const auto& t : res) {
+    if (t.outcome == "ok") ++ok;
+    else if (!first_fail) first_fail = &t;
+  }
+  const int quorum = cfg.health_quorum == 0 ? N : static_cast<int>(cfg.health_quorum);
+  int status = 200;
+  std::string error;
+  if (ok < quorum) {
+    status = first_fail->status ? *first_fail->status : 502;
+    error = "proxy: " + std::to_string(N - ok) + "/" + std::to_string(N) + " servers unhealthy; first: " +
+            replicas[static_cast<std::size_t>(first_fail->index)]->url_str + " -> " +
+            (first_fail->status ? std::to_string(*first_fail->status) : first_fail->outcome);
+  }
+  nlohmann::json j = {{"ok", status == 200}, {"path", std::string(req.path())}, {"total", N}, {"succeeded", ok},
+                      {"failed", N - ok}, {"skipped", 0}};
+  j["error"] = error.empty() ? nlohmann::json(nullptr) : nlohmann::json(redact(error));
+  j["replicas"] = nlohmann::json::array();
+  for (int r = 0; r < N; ++r) j["replicas"].push_back(target_json(res[static_cast<std::size_t>(r)], replicas[static_cast<std::size_t>(r)]->url_str));
+  co_return http::json_response(status, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+// ---- health state machine, re-sync, reconciliation ---------------------------------------------
+
+http::Task<bool> Proxy::Impl::resync(int r) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
+  set_state(r, ReplicaState::kSyncing, "re-sync");
+  router.purge_replica(r);
+  http::Headers h;
+  h.add("Content-Type", "application/json");
+  if (!cfg.upstream_token.empty()) h.add("Authorization", "Bearer " + cfg.upstream_token);
+  bool ok = true;
+  std::vector<std::string> pending;
+  {
+    std::lock_guard lk(rep.mu);
+    pending.swap(rep.pending_unloads);
+  }
+  std::vector<std::string> still;
+  for (const auto& name : pending) {
+    std::string body = nlohmann::json{{"lora_name", name}}.dump();
+    auto f = co_await rep.pool->fetch({"POST", "/v1/unload_lora_adapter", &h, body}, call_options(cfg.control_timeout, nullptr, true));
+    if (f.error != http::CallError::kNone || (f.status != 200 && f.status != 404)) still.push_back(name);
+  }
+  {
+    std::lock_guard lk(rep.mu);
+    rep.pending_unloads.insert(rep.pending_unloads.end(), still.begin(), still.end());
+  }
+  std::vector<RegisteredAdapter> loads;
+  std::optional<std::string> pause;
+  {
+    std::lock_guard lk(fleet_mu);
+    loads = registry;
+    pause = pause_target;
+  }
+  for (const auto& a : loads) {
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.adapter_load_deadline));
+    bool done = false;
+    while (!done) {
+      double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+      auto f = co_await rep.pool->fetch({"POST", "/v1/load_lora_adapter", &h, a.body},
+                                        call_options(std::max(0.001, std::min(cfg.adapter_attempt_timeout, left)), nullptr, true));
+      if (f.error == http::CallError::kNone && (f.status == 200 || (f.status == 400 && contains(f.body, "already been loaded")))) {
+        done = true;
+      } else if (f.error == http::CallError::kNone && contains(f.body, "No adapter found") &&
+                 std::chrono::duration<double>(deadline - Clock::now()).count() > cfg.adapter_retry_interval) {
+        co_await sleep_for(cfg.adapter_retry_interval);
+      } else {
+        LS_LOG_WARN("proxy", "re-sync of replica {}: load {} failed ({})", r, a.name,
+                    f.error != http::CallError::kNone ? redact(f.message) : std::to_string(f.status));
+        ok = false;
+        break;
+      }
+    }
+    if (!ok) break;
+  }
+  if (ok && pause) {
+    auto f = co_await rep.pool->fetch({"POST", *pause, &h, ""}, call_options(cfg.control_timeout, nullptr, true));
+    ok = f.error == http::CallError::kNone && f.status == 200;
+  }
+  metrics.inc("resyncs_total", "replica=\"" + std::to_string(r) + "\",result=\"" + (ok ? "ok" : "failed") + "\"");
+  if (ok) {
+    {
+      std::lock_guard lk(rep.mu);
+      rep.consecutive_ejections = 0;
+    }
+    rep.consecutive_failures.store(0);
+    set_state(r, ReplicaState::kInService, "re-synced");
+  } else {
+    rep.state.store(static_cast<int>(ReplicaState::kInService));  // let eject() run its bookkeeping
+    eject(r, "resync_failed");
+  }
+  co_return ok;
+}
+
+http::Task<void> Proxy::Impl::health_loop(int r) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
+  http::Headers h;
+  if (!cfg.upstream_token.empty()) h.add("Authorization", "Bearer " + cfg.upstream_token);
+  auto next_probe = Clock::now();
+  const auto interval = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.probe_interval));
+  while (!stopping.load()) {
+    ReplicaState s = rep.get();
+    if (s == ReplicaState::kEjected) {
+      Clock::time_point until;
+      {
+        std::lock_guard lk(rep.mu);
+        until = rep.ejected_until;
+      }
+      if (Clock::now() >= until) {
+        set_state(r, ReplicaState::kProbing, "cooldown over");
+        next_probe = Clock::now();
+      } else {
+        co_await sleep_for(std::min(0.05, std::chrono::duration<double>(until - Clock::now()).count()));
+        continue;
+      }
+    }
+    s = rep.get();
+    if ((s == ReplicaState::kInService || s == ReplicaState::kProbing) && Clock::now() >= next_probe) {
+      next_probe = Clock::now() + interval;
+      auto f = co_await rep.pool->fetch({"GET", "/health", &h, ""}, call_options(cfg.probe_timeout), 4096);
+      bool good = f.error == http::CallError::kNone && f.status < 500;
+      bool healthy = f.error == http::CallError::kNone && f.status == 200;
+      if (rep.get() == ReplicaState::kInService) {
+        if (good) note_success(r);
+        else note_failure(r, f.error != http::CallError::kNone ? http::call_error_name(f.error) : "probe_status", true);
+      } else if (rep.get() == ReplicaState::kProbing) {
+        if (!healthy) {
+          rep.state.store(static_cast<int>(ReplicaState::kInService));
+          eject(r, "probe_failed");
+        } else {
+          int n;
+          {
+            std::lock_guard lk(rep.mu);
+            n = ++rep.probe_successes;
+          }
+          if (n >= cfg.recover_after) {
+            co_await fleet_lock.lock();
+            struct Unlock {
+              AsyncMutex& m;
+              ~Unlock() { m.unlock(); }
+            } unlock{fleet_lock};
+            co_await resync(r);
+          } else {
+            next_probe = Clock::now() + std::min(interval, std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(200)));
+          }
+        }
+      }
+    }
+    co_await sleep_for(0.05);
+  }
+}
+
+http::Task<void> Proxy::Impl::reconcile_loop() {
+  http::Headers h;
+  if (!cfg.upstream_token.empty()) h.add("Authorization", "Bearer " + cfg.upstream_token);
+  while (!stopping.load()) {
+    co_await sleep_for(cfg.reconcile_interval);
+    if (stopping.load() || !fleet_lock.try_lock()) continue;
+    struct Unlock {
+      AsyncMutex& m;
+      ~Unlock() { m.unlock(); }
+    } unlock{fleet_lock};
+    auto names = registry_names();
+    for (auto& rp : replicas) {
+      if (rp->get() != ReplicaState::kInService) continue;
+      bool has_pending;
+      {
+        std::lock_guard lk(rp->mu);
+        has_pending = !rp->pending_unloads.empty();
+      }
+      if (names.empty() && !has_pending) continue;
+      auto f = co_await rp->pool->fetch({"GET", "/v1/models", &h, ""}, call_options(cfg.control_timeout), 4 << 20);
+      if (f.error != http::CallError::kNone || f.status != 200) continue;
+      std::vector<std::string> ids;
+      try {
+        auto j = nlohmann::json::parse(f.body);
+        for (const auto& m : j.at("data"))
+          if (m.contains("id") && m["id"].is_string()) ids.push_back(m["id"].get<std::string>());
+      } catch (...) {
+        continue;
+      }
+      bool missing = false;
+      for (const auto& n : names) missing |= std::find(ids.begin(), ids.end(), n) == ids.end();
+      if (missing || has_pending) {
+        if (missing) LS_LOG_WARN("proxy", "replica {} lost registered adapters; re-syncing", rp->index);
+        co_await resync(rp->index);
+      }
+    }
+  }
+}
+
+http::Task<void> Proxy::Impl::stats_log_loop() {
+  std::uint64_t last = 0;
+  while (!stopping.load()) {
+    co_await sleep_for(cfg.stats_log_interval);
+    auto s = router.snapshot();
+    if (s.routed == last) continue;
+    last = s.routed;
+    LS_LOG_INFO("proxy", "routed {} affinity {} spilled {} unmatched {} tracked_blocks {} retries {} client_aborts {}", s.routed,
+                s.affinity, s.spilled, s.unmatched, s.tracked_blocks, retries.load(), client_aborts.load());
+  }
+}
+
+}  // namespace lorasync::proxy

@@ -1,0 +1,523 @@
+// The scanner is a hand-written recursive-descent validator (bounded depth, so bounded recursion)
+// that remembers three top-level spans. Decoding of strings resolves escapes to UTF-8 bytes, so an
+// escaped and a literal prompt hash alike; lone surrogates are encoded as 3-byte sequences
+// (WTF-8), which is what a permissive decoder does.
+#include "proxy/prompt_scan.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+#include <limits>
+
+namespace lorasync::proxy {
+namespace {
+
+enum class VType { kNone, kString, kNumber, kObject, kArray, kTrue, kFalse, kNull };
+
+struct Span {
+  const char* begin = nullptr;
+  const char* end = nullptr;
+  VType type = VType::kNone;
+  bool present() const { return type != VType::kNone; }
+};
+
+inline bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+int hex_val(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+void append_utf8(std::uint32_t cp, std::string& out) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+// Validating pass.
+class Validator {
+ public:
+  Validator(const char* b, const char* e) : p_(b), end_(e) {}
+
+  void ws() {
+    while (p_ < end_ && is_ws(*p_)) ++p_;
+  }
+  bool at_end() {
+    ws();
+    return p_ == end_;
+  }
+  const char* pos() const { return p_; }
+
+  // One value; fills `span` with its extent and type.
+  bool value(int depth, Span* span) {
+    ws();
+    if (p_ >= end_) return fail("unexpected end of JSON");
+    const char* start = p_;
+    VType t;
+    switch (*p_) {
+      case '"': t = VType::kString; if (!string()) return false; break;
+      case '{': t = VType::kObject; if (!object(depth + 1)) return false; break;
+      case '[': t = VType::kArray; if (!array(depth + 1)) return false; break;
+      case 't': t = VType::kTrue; if (!literal("true")) return false; break;
+      case 'f': t = VType::kFalse; if (!literal("false")) return false; break;
+      case 'n': t = VType::kNull; if (!literal("null")) return false; break;
+      default: t = VType::kNumber; if (!number()) return false; break;
+    }
+    if (span) *span = {start, p_, t};
+    return true;
+  }
+
+  // The top-level object, recording values of interesting keys (last wins).
+  bool top_object(const char* const* keys, Span* spans, int n_keys) {
+    ws();
+    if (p_ >= end_ || *p_ != '{') return fail("the request body must be a JSON object");
+    ++p_;
+    ws();
+    if (p_ < end_ && *p_ == '}') {
+      ++p_;
+      return true;
+    }
+    std::string key;
+    while (true) {
+      ws();
+      const char* ks = p_;
+      if (p_ >= end_ || *p_ != '"') return fail("expected a string key");
+      if (!string()) return false;
+      key.clear();
+      decode_string(ks, p_, key);
+      ws();
+      if (p_ >= end_ || *p_ != ':') return fail("expected ':'");
+      ++p_;
+      Span s;
+      if (!value(1, &s)) return false;
+      for (int i = 0; i < n_keys; ++i)
+        if (key == keys[i]) spans[i] = s;
+      ws();
+      if (p_ < end_ && *p_ == ',') {
+        ++p_;
+        continue;
+      }
+      if (p_ < end_ && *p_ == '}') {
+        ++p_;
+        return true;
+      }
+      return fail("expected ',' or '}' in object");
+    }
+  }
+
+  const std::string& error() const { return error_; }
+
+  // Decodes a validated string token [b, e) (with quotes) into UTF-8 bytes.
+  static void decode_string(const char* b, const char* e, std::string& out) { decode_escapes(b + 1, e - 1, out); }
+
+  // Decodes the inside [p, q) of a validated string.
+  static void decode_escapes(const char* p, const char* q, std::string& out) {
+    while (p < q) {
+      const char* bs = static_cast<const char*>(std::memchr(p, '\\', static_cast<std::size_t>(q - p)));
+      if (!bs) {
+        out.append(p, q);
+        return;
+      }
+      out.append(p, bs);
+      p = bs + 1;
+      char c = *p++;
+      switch (c) {
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          std::uint32_t cp = read_hex4(p);
+          p += 4;
+          if (cp >= 0xD800 && cp < 0xDC00 && q - p >= 6 && p[0] == '\\' && p[1] == 'u') {
+            std::uint32_t lo = read_hex4(p + 2);
+            if (lo >= 0xDC00 && lo < 0xE000) {
+              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+              p += 6;
+            }
+          }
+          append_utf8(cp, out);
+          break;
+        }
+        default: out += c; break;  // \" \\ \/
+      }
+    }
+  }
+
+ private:
+  static std::uint32_t read_hex4(const char* p) {
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v = v * 16 + static_cast<std::uint32_t>(hex_val(p[i]));
+    return v;
+  }
+
+  bool fail(const char* what) {
+    if (error_.empty()) error_ = what;
+    return false;
+  }
+
+  bool literal(const char* lit) {
+    std::size_t n = std::strlen(lit);
+    if (static_cast<std::size_t>(end_ - p_) < n || std::memcmp(p_, lit, n) != 0)
+      return fail("invalid literal");
+    p_ += n;
+    return true;
+  }
+
+  bool string() {
+    ++p_;  // opening quote
+    while (true) {
+      while (p_ < end_ && *p_ != '"' && *p_ != '\\' && static_cast<unsigned char>(*p_) >= 0x20 &&
+             static_cast<unsigned char>(*p_) < 0x80)
+        ++p_;
+      if (p_ >= end_) return fail("unterminated string");
+      char c = *p_;
+      if (static_cast<unsigned char>(c) >= 0x80) {
+        if (!utf8_sequence()) return fail("invalid UTF-8 in string");
+        continue;
+      }
+      if (c == '"') {
+        ++p_;
+        return true;
+      }
+      if (c != '\\') return fail("control character in string");
+      ++p_;
+      if (p_ >= end_) return fail("unterminated string");
+      c = *p_++;
+      if (c == 'u') {
+        if (end_ - p_ < 4) return fail("bad \\u escape");
+        for (int i = 0; i < 4; ++i)
+          if (hex_val(p_[i]) < 0) return fail("bad \\u escape");
+        p_ += 4;
+      } else if (!std::strchr("\"\\/bfnrt", c) || c == 0) {
+        return fail("bad escape in string");
+      }
+    }
+  }
+
+  // One multi-byte UTF-8 sequence at p_ (RFC 3629: no overlongs, no surrogates, <= U+10FFFF).
+  bool utf8_sequence() {
+    auto b = [&](std::ptrdiff_t i) { return static_cast<unsigned char>(p_[i]); };
+    unsigned char c0 = b(0);
+    std::ptrdiff_t left = end_ - p_;
+    auto cont = [&](std::ptrdiff_t i) { return i < left && (b(i) & 0xC0) == 0x80; };
+    if (c0 >= 0xC2 && c0 <= 0xDF) {
+      if (!cont(1)) return false;
+      p_ += 2;
+    } else if (c0 >= 0xE0 && c0 <= 0xEF) {
+      if (!cont(1) || !cont(2)) return false;
+      if (c0 == 0xE0 && b(1) < 0xA0) return false;
+      if (c0 == 0xED && b(1) >= 0xA0) return false;
+      p_ += 3;
+    } else if (c0 >= 0xF0 && c0 <= 0xF4) {
+      if (!cont(1) || !cont(2) || !cont(3)) return false;
+      if (c0 == 0xF0 && b(1) < 0x90) return false;
+      if (c0 == 0xF4 && b(1) >= 0x90) return false;
+      p_ += 4;
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  bool digits() {
+    const char* s = p_;
+    while (p_ < end_ && *p_ >= '0' && *p_ <= '9') ++p_;
+    return p_ > s;
+  }
+
+  bool number() {
+    if (p_ < end_ && *p_ == '-') ++p_;
+    if (p_ >= end_) return fail("invalid number");
+    if (*p_ == '0') {
+      ++p_;
+    } else if (*p_ >= '1' && *p_ <= '9') {
+      digits();
+    } else {
+      return fail("invalid JSON value");
+    }
+    if (p_ < end_ && *p_ == '.') {
+      ++p_;
+      if (!digits()) return fail("invalid number");
+    }
+    if (p_ < end_ && (*p_ == 'e' || *p_ == 'E')) {
+      ++p_;
+      if (p_ < end_ && (*p_ == '+' || *p_ == '-')) ++p_;
+      if (!digits()) return fail("invalid number");
+    }
+    return true;
+  }
+
+  bool object(int depth) {
+    if (depth > kMaxJsonDepth) return fail("JSON nesting deeper than 64");
+    ++p_;
+    ws();
+    if (p_ < end_ && *p_ == '}') {
+      ++p_;
+      return true;
+    }
+    while (true) {
+      ws();
+      if (p_ >= end_ || *p_ != '"') return fail("expected a string key");
+      if (!string()) return false;
+      ws();
+      if (p_ >= end_ || *p_ != ':') return fail("expected ':'");
+      ++p_;
+      if (!value(depth, nullptr)) return false;
+      ws();
+      if (p_ < end_ && *p_ == ',') {
+        ++p_;
+        continue;
+      }
+      if (p_ < end_ && *p_ == '}') {
+        ++p_;
+        return true;
+      }
+      return fail("expected ',' or '}' in object");
+    }
+  }
+
+  bool array(int depth) {
+    if (depth > kMaxJsonDepth) return fail("JSON nesting deeper than 64");
+    ++p_;
+    ws();
+    if (p_ < end_ && *p_ == ']') {
+      ++p_;
+      return true;
+    }
+    while (true) {
+      if (!value(depth, nullptr)) return false;
+      ws();
+      if (p_ < end_ && *p_ == ',') {
+        ++p_;
+        continue;
+      }
+      if (p_ < end_ && *p_ == ']') {
+        ++p_;
+        return true;
+      }
+      return fail("expected ',' or ']' in array");
+    }
+  }
+
+  const char* p_;
+  const char* end_;
+  std::string error_;
+};
+
+// Chained block hasher: h_i = H(h_{i-1} || kind || payload).
+class BlockHasher {
+ public:
+  BlockHasher(Hash128 seed, std::uint8_t kind, std::size_t group_bytes, std::vector<Hash128>& out)
+      : buf_(17 + group_bytes, '\0'), group_(group_bytes), out_(out) {
+    std::memcpy(buf_.data(), &seed, 16);
+    buf_[16] = static_cast<char>(kind);
+  }
+  void feed(const char* p, std::size_t n) {
+    while (n > 0) {
+      std::size_t take = std::min(n, group_ - fill_);
+      std::memcpy(buf_.data() + 17 + fill_, p, take);
+      fill_ += take;
+      p += take;
+      n -= take;
+      if (fill_ == group_) {
+        Hash128 h = hash128(buf_.data(), buf_.size());
+        out_.push_back(h);
+        std::memcpy(buf_.data(), &h, 16);
+        fill_ = 0;
+      }
+    }
+  }
+
+ private:
+  std::string buf_;
+  std::size_t group_;
+  std::size_t fill_ = 0;
+  std::vector<Hash128>& out_;
+};
+
+ScanError field_error(std::string_view param, const char* what) {
+  ScanError e;
+  e.message = fmt::format("'{}' {}", param, what);
+  e.param = std::string(param);
+  return e;
+}
+
+const char* skip_ws(const char* p, const char* e) {
+  while (p < e && is_ws(*p)) ++p;
+  return p;
+}
+
+// Parses one validated JSON integer token at p (no fraction/exponent). False if it is not an
+// integer within int64.
+bool parse_int64(const char*& p, const char* e, std::int64_t& v) {
+  const char* s = p;
+  bool neg = false;
+  if (p < e && *p == '-') {
+    neg = true;
+    ++p;
+  }
+  const std::uint64_t limit = neg ? std::uint64_t{1} << 63 : (std::uint64_t{1} << 63) - 1;
+  std::uint64_t acc = 0;
+  bool overflow = false;
+  const char* ds = p;
+  while (p < e && *p >= '0' && *p <= '9') {
+    auto d = static_cast<std::uint64_t>(*p - '0');
+    if (acc > (limit - d) / 10) overflow = true;
+    else acc = acc * 10 + d;
+    ++p;
+  }
+  if (p == ds) {
+    p = s;
+    return false;
+  }
+  if (p < e && (*p == '.' || *p == 'e' || *p == 'E')) return false;
+  if (overflow) return false;
+  v = neg ? static_cast<std::int64_t>(~acc + 1) : static_cast<std::int64_t>(acc);
+  return true;
+}
+
+// Skips one validated value starting at p (used to step over array elements).
+const char* skip_value(const char* p, const char* e) {
+  Validator v(p, e);
+  v.value(0, nullptr);
+  return v.pos();
+}
+
+std::optional<ScanError> hash_prompt(Span s, std::string_view param, std::size_t block_size,
+                                     Hash128 seed, PromptScan& out) {
+  switch (s.type) {
+    case VType::kNone:
+    case VType::kNull:
+      return std::nullopt;
+    case VType::kNumber:
+    case VType::kTrue:
+    case VType::kFalse:
+    case VType::kObject:
+      return field_error(param, "must be a string or an array");
+    case VType::kString: {
+      out.kind = PromptKind::kText;
+      BlockHasher h(seed, 0x02, 4 * block_size, out.blocks);
+      // Decode in pieces: raw runs are fed directly; escapes are decoded one by one.
+      const char* p = s.begin + 1;
+      const char* q = s.end - 1;
+      std::string dec;
+      while (p < q) {
+        const char* bs = static_cast<const char*>(std::memchr(p, '\\', static_cast<std::size_t>(q - p)));
+        const char* run_end = bs ? bs : q;
+        h.feed(p, static_cast<std::size_t>(run_end - p));
+        out.n_units += static_cast<std::uint64_t>(run_end - p);
+        if (!bs) break;
+        // One escape (a surrogate pair counts as one).
+        const char* esc_end = bs + 2;
+        if (bs[1] == 'u') {
+          esc_end = bs + 6;
+          if (esc_end + 6 <= q && esc_end[0] == '\\' && esc_end[1] == 'u') esc_end += 6;
+        }
+        dec.clear();
+        Validator::decode_escapes(bs, esc_end, dec);
+        h.feed(dec.data(), dec.size());
+        out.n_units += dec.size();
+        p = esc_end;
+      }
+      return std::nullopt;
+    }
+    case VType::kArray: {
+      const char* p = skip_ws(s.begin + 1, s.end);
+      if (*p == ']') return std::nullopt;  // empty
+      if (*p == '[') {                       // batch: route on the first element
+        const char* e = skip_value(p, s.end);
+        return hash_prompt(Span{p, e, VType::kArray}, param, block_size, seed, out);
+      }
+      bool first_int = (*p == '-' || (*p >= '0' && *p <= '9'));
+      if (first_int) {
+        const char* t = p;
+        std::int64_t v;
+        first_int = parse_int64(t, s.end, v);
+        // A first element with a fraction or exponent is a float: not token ids.
+        if (!first_int) {
+          const char* t2 = p;
+          if (*t2 == '-') ++t2;
+          while (t2 < s.end && *t2 >= '0' && *t2 <= '9') ++t2;
+          if (!(t2 < s.end && (*t2 == '.' || *t2 == 'e' || *t2 == 'E')))
+            return field_error(param, "token id out of int64 range");
+        }
+      }
+      if (!first_int) return std::nullopt;  // strings, messages, floats: zero blocks
+      out.kind = PromptKind::kTokenIds;
+      BlockHasher h(seed, 0x01, 8 * block_size, out.blocks);
+      while (true) {
+        p = skip_ws(p, s.end);
+        std::int64_t v;
+        const char* t = p;
+        if (!parse_int64(t, s.end, v))
+          return field_error(param, "must be a list of integer token ids");
+        p = t;
+        h.feed(reinterpret_cast<const char*>(&v), 8);  // little-endian hosts
+        ++out.n_units;
+        p = skip_ws(p, s.end);
+        if (*p == ',') {
+          ++p;
+          continue;
+        }
+        break;  // ']'
+      }
+      return std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ScanError> scan_routed_request(std::string_view body, std::size_t block_size,
+                                             PromptScan& out) {
+  out = PromptScan{};
+  static const char* const kKeys[] = {"model", "prompt", "messages"};
+  Span spans[3];
+  Validator v(body.data(), body.data() + body.size());
+  if (!v.top_object(kKeys, spans, 3) || !v.at_end())
+    return ScanError{"invalid JSON body: " + (v.error().empty() ? std::string("trailing data") : v.error()), ""};
+  if (spans[0].present()) {
+    if (spans[0].type != VType::kString) return ScanError{"'model' must be a string", "model"};
+    Validator::decode_string(spans[0].begin, spans[0].end, out.model);
+  }
+  Hash128 seed = hash128(out.model);
+  if (spans[1].present()) return hash_prompt(spans[1], "prompt", block_size, seed, out);
+  if (spans[2].present()) return hash_prompt(spans[2], "messages", block_size, seed, out);
+  return std::nullopt;
+}
+
+std::optional<ScanError> scan_lora_name(std::string_view body, std::string& name) {
+  static const char* const kKeys[] = {"lora_name"};
+  Span span;
+  Validator v(body.data(), body.data() + body.size());
+  if (!v.top_object(kKeys, &span, 1) || !v.at_end())
+    return ScanError{"invalid JSON body: " + (v.error().empty() ? std::string("trailing data") : v.error()), ""};
+  if (span.type != VType::kString) return ScanError{"'lora_name' must be a string", "lora_name"};
+  name.clear();
+  Validator::decode_string(span.begin, span.end, name);
+  return std::nullopt;
+}
+
+bool json_is_valid(std::string_view body) {
+  Validator v(body.data(), body.data() + body.size());
+  return v.value(0, nullptr) && v.at_end();
+}
+
+}  // namespace lorasync::proxy

@@ -1,0 +1,480 @@
+// Request handling of the proxy: dispatch by exact path (proxy.md §2), inbound auth, request
+// ids, and the relay of routed and forwarded requests with retries before the first byte,
+// streaming pass-through and client-disconnect cancellation (§4.1, §4.5).
+#include <utility>
+
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/redirect_error.hpp>
+
+#include <random>
+#include <thread>
+
+#include "proxy/prompt_scan.h"
+#include "proxy/proxy_impl.h"
+#include "util/error.h"
+#include "util/log.h"
+#include "util/sha256.h"
+
+namespace lorasync::proxy {
+
+namespace net = boost::asio;
+
+http::Task<void> sleep_for(double seconds) {
+  net::steady_timer t(co_await net::this_coro::executor);
+  t.expires_after(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, seconds))));
+  boost::system::error_code ec;
+  co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
+}
+
+http::Task<void> AsyncMutex::lock() {
+  std::uint64_t ticket = next_.fetch_add(1);
+  while (serving_.load() != ticket) co_await sleep_for(0.002);
+}
+
+bool AsyncMutex::try_lock() {
+  std::uint64_t s = serving_.load();
+  std::uint64_t expected = s;
+  return next_.compare_exchange_strong(expected, s + 1);
+}
+
+const char* state_name(ReplicaState s) {
+  switch (s) {
+    case ReplicaState::kInService: return "in_service";
+    case ReplicaState::kEjected: return "ejected";
+    case ReplicaState::kProbing: return "probing";
+    case ReplicaState::kSyncing: return "syncing";
+  }
+  return "?";
+}
+
+namespace {
+
+RouterOptions router_options(const ProxyConfig& c) {
+  RouterOptions o;
+  o.n_replicas = static_cast<int>(c.urls.size());
+  o.max_tracked_blocks = static_cast<std::size_t>(c.max_tracked_blocks);
+  o.imbalance = c.imbalance;
+  o.block_size = static_cast<std::size_t>(c.block_size);
+  return o;
+}
+
+bool is_visible_ascii(std::string_view s) {
+  for (char c : s)
+    if (c < 0x21 || c > 0x7e) return false;
+  return true;
+}
+
+// Finds "cached_prompt_tokens": N or "cached_tokens": N in a relayed stream (keys may straddle
+// two reads; a 64-byte tail of the previous piece is kept).
+class CachedTokensMatcher {
+ public:
+  void feed(std::string_view piece) {
+    if (piece.size() < 64) {
+      buf_ += piece;
+      scan(buf_);
+      if (buf_.size() > 64) buf_.erase(0, buf_.size() - 64);
+      return;
+    }
+    std::string edge = buf_ + std::string(piece.substr(0, 64));
+    scan(edge);
+    scan(piece);
+    buf_.assign(piece.substr(piece.size() - 64));
+  }
+  std::optional<std::uint64_t> value() const { return value_; }
+
+ private:
+  void scan(std::string_view s) {
+    for (std::string_view key : {std::string_view("\"cached_prompt_tokens\""), std::string_view("\"cached_tokens\"")}) {
+      std::size_t pos = 0;
+      while ((pos = s.find(key, pos)) != std::string_view::npos) {
+        std::size_t p = pos + key.size();
+        while (p < s.size() && (s[p] == ' ' || s[p] == ':')) ++p;
+        std::uint64_t v = 0;
+        std::size_t d = p;
+        while (d < s.size() && s[d] >= '0' && s[d] <= '9') v = v * 10 + static_cast<std::uint64_t>(s[d++] - '0');
+        if (d > p && d < s.size()) value_ = v;  // a complete number (followed by a delimiter)
+        pos = p;
+      }
+    }
+  }
+  std::string buf_;
+  std::optional<std::uint64_t> value_;
+};
+
+}  // namespace
+
+Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)) {
+  http::ClientOptions co;
+  co.connect_timeout_s = cfg.connect_timeout;
+  co.keepalive_s = cfg.upstream_keepalive;
+  co.max_connections = static_cast<std::size_t>(std::max<std::int64_t>(1, cfg.conn_limit / static_cast<std::int64_t>(cfg.urls.size())));
+  co.ca_file = cfg.upstream_ca_file;
+  for (std::size_t i = 0; i < cfg.urls.size(); ++i) {
+    auto r = std::make_unique<Replica>();
+    r->index = static_cast<int>(i);
+    r->url = cfg.urls[i];
+    r->url_str = cfg.urls[i].str();
+    r->pool = std::make_unique<http::Pool>(cfg.urls[i], co);
+    replicas.push_back(std::move(r));
+  }
+  http::ServerOptions so;
+  so.host = cfg.host;
+  so.port = cfg.port;
+  so.threads = static_cast<int>(cfg.threads);
+  so.max_body_bytes = static_cast<std::uint64_t>(cfg.max_body_bytes);
+  so.client_timeout_s = cfg.client_timeout;
+  so.idle_timeout_s = 75;
+  server = std::make_unique<http::Server>(so, [this](http::Request& rq, http::ResponseWriter& w) { return handle(rq, w); });
+}
+
+std::uint64_t Proxy::Impl::in_service_mask() const {
+  std::uint64_t m = 0;
+  for (const auto& r : replicas)
+    if (r->get() == ReplicaState::kInService) m |= std::uint64_t{1} << r->index;
+  return m;
+}
+
+std::string Proxy::Impl::redact(std::string s) const {
+  const std::string& t = cfg.upstream_token;
+  if (t.empty()) return s;
+  for (std::size_t p; (p = s.find(t)) != std::string::npos;) s.replace(p, t.size(), "***");
+  return s;
+}
+
+http::CallOptions Proxy::Impl::call_options(double total, http::CancelSignal* cancel, bool fresh) const {
+  http::CallOptions o;
+  o.first_byte_timeout_s = cfg.first_byte_timeout;
+  o.idle_timeout_s = cfg.idle_timeout;
+  o.total_timeout_s = total;
+  o.cancel = cancel;
+  o.fresh_connection = fresh;
+  if (total > 0) {
+    o.first_byte_timeout_s = std::min(o.first_byte_timeout_s, total);
+    o.idle_timeout_s = std::min(o.idle_timeout_s, total);
+  }
+  return o;
+}
+
+http::Headers Proxy::Impl::upstream_headers(const http::Request& req, const std::string& rid) const {
+  http::Headers h = http::strip_hop_by_hop(req.headers);
+  h.remove("host");
+  h.remove("content-length");
+  h.remove("authorization");
+  h.remove("x-request-id");
+  h.add("X-Request-Id", rid);
+  if (!cfg.upstream_token.empty()) h.add("Authorization", "Bearer " + cfg.upstream_token);
+  return h;
+}
+
+http::Task<void> Proxy::Impl::handle(http::Request& req, http::ResponseWriter& w) {
+  const auto t0 = Clock::now();
+  std::string rid;
+  if (const auto* x = req.headers.find("x-request-id"); x && !x->empty() && x->size() <= 128 && is_visible_ascii(*x))
+    rid = *x;
+  else
+    rid = http::random_request_id();
+  const std::string path(req.path());
+  std::string route = "other";
+  int code = 0;
+  auto reply = [&](http::Response r) -> http::Task<void> {
+    r.headers.add("X-Request-Id", rid);
+    code = r.status;
+    co_await w.send(std::move(r));
+  };
+  auto err = [&](int status, const std::string& msg, const std::string& param = {}) {
+    return http::error_response(status, "proxy: " + msg, param, status >= 500 ? "proxy_error" : "");
+  };
+
+  if (!cfg.api_key.empty()) {
+    const std::string* a = req.headers.find("authorization");
+    std::string given = (a && a->size() > 7 && http::iequals(a->substr(0, 7), "Bearer ")) ? a->substr(7) : std::string();
+    std::string d1 = sha256_hex(given), d2 = sha256_hex(cfg.api_key);
+    unsigned char diff = 0;
+    for (std::size_t i = 0; i < d1.size(); ++i) diff |= static_cast<unsigned char>(d1[i] ^ d2[i]);
+    if (diff != 0 || a == nullptr) {
+      auto r = err(401, "missing or invalid API key");
+      r.headers.add("WWW-Authenticate", "Bearer");
+      rejected.fetch_add(1);
+      metrics.inc("rejected_requests_total", "reason=\"auth\"");
+      co_await reply(std::move(r));
+      metrics.inc("requests_total", "route=\"auth\",code=\"401\"");
+      co_return;
+    }
+  }
+
+  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    if (req.method == "POST") {
+      route = path == "/v1/completions" ? "completions" : "chat_completions";
+      if (const auto* ce = req.headers.find("content-encoding"); ce && !http::iequals(*ce, "identity")) {
+        rejected.fetch_add(1);
+        metrics.inc("rejected_requests_total", "reason=\"content_encoding\"");
+        http::Response r = err(415, "compressed request bodies are not accepted on routed paths (Content-Encoding: " + *ce + ")");
+        co_await reply(std::move(r));
+      } else {
+        co_await handle_relay(req, w, true, rid);
+        code = -1;
+      }
+    } else {
+      co_await handle_relay(req, w, false, rid);
+      code = -1;
+    }
+  } else if (path == "/v1/load_lora_adapter") {
+    route = "load";
+    http::Response r;
+    if (req.method == "POST") r = co_await handle_load(req, rid);
+    else r = co_await handle_broadcast(req, rid);
+    co_await reply(std::move(r));
+  } else if (path == "/v1/unload_lora_adapter" || path == "/pause" || path == "/resume" || path == "/reset_prefix_cache") {
+    route = path.substr(1);
+    if (route.starts_with("v1/")) route = route.substr(3);
+    http::Response r = co_await handle_broadcast(req, rid);
+    co_await reply(std::move(r));
+  } else if (path == "/health" || path == "/ping") {
+    route = path.substr(1);
+    http::Response r = co_await handle_fan_in(req, rid);
+    co_await reply(std::move(r));
+  } else if (path == "/proxy/stats" || path == "/metrics") {
+    route = path == "/metrics" ? "metrics" : "stats";
+    if (req.method != "GET") {
+      auto r = err(405, "method " + req.method + " not allowed on " + path);
+      r.headers.add("Allow", "GET");
+      co_await reply(std::move(r));
+    } else if (path == "/metrics") {
+      http::Response r;
+      r.headers.add("Content-Type", "text/plain; version=0.0.4");
+      r.body = metrics_text();
+      co_await reply(std::move(r));
+    } else {
+      http::Response r = http::json_response(200, stats_json().dump());
+      co_await reply(std::move(r));
+    }
+  } else {
+    co_await handle_relay(req, w, false, rid);
+    code = -1;
+  }
+  const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+  metrics.observe("request_duration_seconds", "route=\"" + route + "\"", dt);
+  if (code > 0) metrics.inc("requests_total", "route=\"" + route + "\",code=\"" + std::to_string(code) + "\"");
+}
+
+// Routed (routed = true) or forwarded request: pick, call, retry before the first byte, relay.
+http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWriter& w, bool routed,
+                                           const std::string& rid) {
+  const auto t0 = Clock::now();
+  const std::string route = routed ? (req.path() == "/v1/completions" ? "completions" : "chat_completions") : "forward";
+  auto finish_code = [&](int code) {
+    metrics.inc("requests_total", "route=\"" + route + "\",code=\"" + std::to_string(code) + "\"");
+  };
+  auto send_error = [&](int status, const std::string& msg, const std::string& param = {}) -> http::Task<void> {
+    auto r = http::error_response(status, "proxy: " + redact(msg), param, status >= 500 ? "proxy_error" : "");
+    r.headers.add("X-Request-Id", rid);
+    finish_code(status);
+    co_await w.send(std::move(r));
+  };
+
+  PromptScan scan;
+  if (routed) {
+    if (auto e = scan_routed_request(req.body, static_cast<std::size_t>(cfg.block_size), scan)) {
+      rejected.fetch_add(1);
+      metrics.inc("rejected_requests_total", "reason=\"bad_request\"");
+      co_await send_error(400, e->message, e->param);
+      co_return;
+    }
+  }
+  bool stream = routed && req.body.find("\"stream\"") != std::string::npos &&
+                req.body.find("true", req.body.find("\"stream\"")) != std::string::npos;
+  const http::Headers out_headers = upstream_headers(req, rid);
+  const http::OutRequest out{req.method, req.target, &out_headers, req.body};
+  http::CancelSignal& gone = w.client_gone();
+
+  std::uint64_t tried = 0;
+  int attempts = 0;
+  bool first = true;
+  std::optional<http::Pool::Full> last_5xx;  // an upstream 502/503 kept for the final reply
+  std::string last_error = "no replica in service";
+  int last_status = 503;
+  thread_local std::mt19937_64 jitter_rng{std::hash<std::thread::id>{}(std::this_thread::get_id())};
+
+  for (;;) {
+    std::uint64_t eligible = in_service_mask() & ~tried;
+    int pick = -1;
+    Decision d;
+    if (eligible != 0) {
+      if (routed) {
+        const auto td = Clock::now();
+        d = router.route(scan.blocks, eligible, first, scan.model);
+        metrics.observe("route_decision_seconds", "", std::chrono::duration<double>(Clock::now() - td).count());
+        pick = d.pick;
+        if (first) metrics.inc("route_decisions_total", std::string("outcome=\"") + outcome_name(d.outcome) +
+                                                        "\",reason=\"" + reason_name(d.reason) + "\"");
+      } else {
+        pick = __builtin_ctzll(eligible);  // the primary: lowest index in service, untried
+      }
+    }
+    if (pick < 0) {
+      if (routed && !first) router.finish_request(scan.model, std::nullopt);
+      if (last_5xx) {
+        http::Response r;
+        r.status = last_5xx->status;
+        r.headers = http::strip_hop_by_hop(last_5xx->headers);
+        r.headers.set("X-Request-Id", rid);
+        r.headers.set("X-Proxy-Attempts", std::to_string(attempts));
+        r.body = std::move(last_5xx->body);
+        finish_code(r.status);
+        co_await w.send(std::move(r));
+      } else {
+        // (No conditional expressions inside co_await arguments: g++ 12 double-destroys their temporaries.)
+        int st = last_status;
+        std::string msg = last_error;
+        if (attempts == 0) {
+          st = 503;
+          msg = "no replica in service";
+        }
+        co_await send_error(st, msg);
+      }
+      co_return;
+    }
+    first = false;
+    ++attempts;
+    tried |= std::uint64_t{1} << pick;
+    Replica& rep = *replicas[static_cast<std::size_t>(pick)];
+    rep.inflight_all.fetch_add(1);
+    metrics.inc("routed_total", "replica=\"" + std::to_string(pick) + "\"");
+    struct Release {
+      Proxy::Impl* self;
+      Replica* rep;
+      bool routed;
+      int pick;
+      ~Release() {
+        rep->inflight_all.fetch_sub(1);
+        if (routed) self->router.release(pick);
+      }
+    } release{this, &rep, routed, pick};
+
+    const auto tcall = Clock::now();
+    http::CallResult res = co_await rep.pool->call(out, call_options(cfg.total_timeout, &gone));
+    if (!res.ok()) {
+      if (res.error == http::CallError::kCancelled || gone.fired()) {
+        client_aborts.fetch_add(1);
+        metrics.inc("client_aborts_total");
+        if (routed) router.finish_request(scan.model, std::nullopt);
+        w.abort();
+        co_return;
+      }
+      const bool timeout = http::is_timeout(res.error);
+      note_failure(pick, http::call_error_name(res.error), true);
+      last_error = "upstream " + rep.url_str + " failed: " + res.message;
+      last_status = timeout ? 504 : 502;
+      if (timeout || attempts > cfg.max_retries) {
+        if (routed) router.finish_request(scan.model, std::nullopt);
+        co_await send_error(last_status, last_error);
+        co_return;
+      }
+      retries.fetch_add(1);
+      metrics.inc("retries_total", std::string("reason=\"") + http::call_error_name(res.error) + "\"");
+      double backoff = 0.025 * static_cast<double>(1u << (attempts - 1)) *
+                       (0.8 + 0.4 * static_cast<double>(jitter_rng() % 1000) / 1000.0);
+      co_await sleep_for(backoff);
+      continue;
+    }
+    auto& up = *res.response;
+    const int status = up.status();
+    if (status >= 500) note_failure(pick, "status_" + std::to_string(status), true);
+    else note_success(pick);
+    if ((status == 502 || status == 503) && attempts <= cfg.max_retries) {
+      http::Pool::Full f;
+      f.status = status;
+      f.headers = up.headers();
+      co_await up.read_all(f.body, 1 << 20);
+      last_5xx = std::move(f);
+      retries.fetch_add(1);
+      metrics.inc("retries_total", "reason=\"status_" + std::to_string(status) + "\"");
+      double backoff = 0.025 * static_cast<double>(1u << (attempts - 1)) *
+                       (0.8 + 0.4 * static_cast<double>(jitter_rng() % 1000) / 1000.0);
+      co_await sleep_for(backoff);
+      continue;
+    }
+    // Relay.
+    http::Headers h = http::strip_hop_by_hop(up.headers());
+    h.remove("content-length");
+    h.set("X-Request-Id", rid);
+    h.add("X-Proxy-Upstream", std::to_string(pick));
+    h.add("X-Proxy-Attempts", std::to_string(attempts));
+    CachedTokensMatcher cached;
+    std::optional<std::uint64_t> cached_hdr;
+    if (!cfg.cached_tokens_header.empty())
+      if (const auto* v = up.headers().find(cfg.cached_tokens_header)) cached_hdr = std::strtoull(v->c_str(), nullptr, 10);
+    bool ok = co_await w.start(status, h, up.content_length());
+    bool first_piece = true;
+    while (ok) {
+      std::string_view piece;
+      http::CallError e = co_await up.read(piece);
+      if (e != http::CallError::kNone) {
+        if (e == http::CallError::kCancelled || gone.fired()) {
+          client_aborts.fetch_add(1);
+          metrics.inc("client_aborts_total");
+        } else {
+          note_failure(pick, http::call_error_name(e), true);
+          LS_LOG_WARN("proxy", "[{}] upstream {} failed mid-response: {}", rid, rep.url_str, http::call_error_name(e));
+        }
+        w.abort();
+        ok = false;
+        break;
+      }
+      if (first_piece) {
+        first_piece = false;
+        metrics.observe("time_to_first_byte_seconds", "route=\"" + route + "\",stream=\"" + (stream ? "true" : "false") + "\"",
+                        std::chrono::duration<double>(Clock::now() - tcall).count());
+      }
+      if (piece.empty() && up.done()) break;
+      if (routed) cached.feed(piece);
+      if (!co_await w.write(piece)) {
+        client_aborts.fetch_add(1);
+        metrics.inc("client_aborts_total");
+        ok = false;
+        break;
+      }
+    }
+    if (ok) ok = co_await w.finish();
+    if (routed) router.finish_request(scan.model, cached_hdr ? cached_hdr : cached.value());
+    finish_code(ok ? status : 499);
+    metrics.observe("request_duration_seconds", "route=\"" + route + "\"",
+                    std::chrono::duration<double>(Clock::now() - t0).count());
+    co_return;
+  }
+}
+
+// ---- Proxy ----------------------------------------------------------------------------------
+
+Proxy::Proxy(ProxyConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {}
+Proxy::~Proxy() {
+  if (impl_ && !impl_->stopping.load()) {
+    impl_->stopping.store(true);
+    impl_->server->stop(0);
+  }
+}
+
+void Proxy::start() {
+  auto& I = *impl_;
+  I.server->start();
+  for (std::size_t r = 0; r < I.replicas.size(); ++r) I.server->spawn([&I, r] { return I.health_loop(static_cast<int>(r)); });
+  if (I.cfg.reconcile_interval > 0) I.server->spawn([&I] { return I.reconcile_loop(); });
+  if (I.cfg.stats_log_interval > 0) I.server->spawn([&I] { return I.stats_log_loop(); });
+  LS_LOG_INFO("proxy", "listening on {}:{} in front of {} replicas ({} threads)", I.cfg.host, I.server->port(),
+              I.replicas.size(), I.cfg.threads);
+}
+
+std::uint16_t Proxy::port() const { return impl_->server->port(); }
+
+void Proxy::stop() {
+  impl_->stopping.store(true);
+  impl_->server->stop(impl_->cfg.shutdown_grace);
+}
+
+void Proxy::wait() { impl_->server->wait(); }
+nlohmann::json Proxy::stats() const { return impl_->stats_json(); }
+std::string Proxy::metrics() const { return impl_->metrics_text(); }
+
+}  // namespace lorasync::proxy

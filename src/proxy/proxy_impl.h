@@ -1,0 +1,125 @@
+// proxy/proxy_impl.h: internal state of Proxy shared by proxy.cpp (request handling), fleet.cpp
+// (broadcasts, loads, health, re-sync) and stats.cpp (stats and metrics). Not a public header.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "http/client.h"
+#include "http/server.h"
+#include "proxy/config.h"
+#include "proxy/metrics.h"
+#include "proxy/proxy.h"
+#include "proxy/router.h"
+
+namespace lorasync::proxy {
+
+using Clock = std::chrono::steady_clock;
+
+enum class ReplicaState : int { kInService = 0, kEjected = 1, kProbing = 2, kSyncing = 3 };
+const char* state_name(ReplicaState s);
+
+struct Replica {
+  int index = 0;
+  http::Url url;
+  std::string url_str;
+  std::unique_ptr<http::Pool> pool;
+  std::atomic<int> state{0};
+  std::atomic<int> consecutive_failures{0};
+  std::atomic<std::uint64_t> failures{0}, ejections{0};
+  std::atomic<std::int64_t> inflight_all{0};
+  // Health loop fields (touched by the replica's own health coroutine and under mu).
+  std::mutex mu;
+  int consecutive_ejections = 0;
+  Clock::time_point ejected_until{};
+  int probe_successes = 0;
+  std::vector<std::string> pending_unloads;
+  ReplicaState get() const { return static_cast<ReplicaState>(state.load()); }
+};
+
+// FIFO async mutex (ticket lock; waiters poll every 2 ms, fleet operations are rare).
+class AsyncMutex {
+ public:
+  http::Task<void> lock();
+  bool try_lock();
+  void unlock() { serving_.fetch_add(1); }
+  bool busy() const { return serving_.load() != next_.load(); }
+
+ private:
+  std::atomic<std::uint64_t> next_{0}, serving_{0};
+};
+
+struct RegisteredAdapter {
+  std::string name;
+  std::string body;  // verbatim load body, replayed on re-sync
+  std::uint64_t seq = 0;
+};
+
+// Outcome of one call of a broadcast / load / fan-in, for the JSON reply.
+struct TargetResult {
+  int index = 0;
+  std::string outcome = "skipped";  // ok | failed | transport_error | timeout | skipped
+  std::optional<int> status;
+  int attempts = 0;
+  double ms = 0;
+  std::string body;      // first 300 bytes, token redacted (not ok only)
+  std::string rollback;  // "", ok, failed
+  bool no_adapter_found = false;
+};
+
+http::Task<void> sleep_for(double seconds);
+
+class Proxy::Impl {
+ public:
+  explicit Impl(ProxyConfig c);
+
+  ProxyConfig cfg;
+  Router router;
+  Metrics metrics;
+  // Declared before the replicas so their pooled sockets are closed while the io_context lives.
+  std::unique_ptr<http::Server> server;
+  std::vector<std::unique_ptr<Replica>> replicas;
+  Clock::time_point started = Clock::now();
+  std::atomic<std::uint64_t> retries{0}, client_aborts{0}, rejected{0};
+  std::atomic<bool> stopping{false};
+
+  // Fleet state (under fleet_mu_ data lock; the async lock orders whole operations).
+  AsyncMutex fleet_lock;
+  mutable std::mutex fleet_mu;
+  std::vector<RegisteredAdapter> registry;
+  std::uint64_t next_seq = 0;
+  std::optional<std::string> pause_target;  // path+query of the fleet pause intent
+
+  // proxy.cpp
+  http::Task<void> handle(http::Request& req, http::ResponseWriter& w);
+  http::Task<void> handle_relay(http::Request& req, http::ResponseWriter& w, bool routed, const std::string& rid);
+  http::Headers upstream_headers(const http::Request& req, const std::string& rid) const;
+  std::string redact(std::string s) const;
+  http::CallOptions call_options(double total, http::CancelSignal* cancel = nullptr, bool fresh = false) const;
+  std::uint64_t in_service_mask() const;
+
+  // fleet.cpp
+  http::Task<http::Response> handle_load(const http::Request& req, const std::string& rid);
+  http::Task<http::Response> handle_broadcast(const http::Request& req, const std::string& rid);
+  http::Task<http::Response> handle_fan_in(const http::Request& req, const std::string& rid);
+  http::Task<void> health_loop(int r);
+  http::Task<void> reconcile_loop();
+  http::Task<void> stats_log_loop();
+  http::Task<bool> resync(int r);  // caller holds fleet_lock
+  void note_failure(int r, const std::string& kind, bool routed_or_probe);
+  void note_success(int r);
+  void eject(int r, const std::string& reason);
+  void set_state(int r, ReplicaState s, const char* why);
+  std::vector<std::string> registry_names() const;
+
+  // stats.cpp
+  nlohmann::json stats_json() const;
+  std::string metrics_text() const;
+};
+
+}  // namespace lorasync::proxy

@@ -1,0 +1,36 @@
+// reward/extract.h: where the answer is in a completion.
+//
+// Rules (grader spec, "Extraction"):
+//   - Only the text after the last "</think>" counts when the completion contains one.
+//   - The answer is the content of the LAST \boxed{...} or \fbox{...}, found by brace matching.
+//     "\boxed {x}" (spaces before the brace) and "\boxed 5" (one token without braces: up to the
+//     next whitespace or '$') are accepted. An unclosed last box is ignored and the previous
+//     complete box is used. Boxes separated only by separators (",", ";", "and", "or", "$",
+//     \quad, \text{and}) form one list answer: "\boxed{-2} and \boxed{1}" -> "-2, 1" (as
+//     Math-Verify reads them).
+//   - Fallback (evaluation only, off by default): "the answer is X" / "final answer is X" (up to
+//     the end of the sentence), else the last math span ($...$, $$...$$, \(...\), \[...\]), else
+//     the last number.
+// Work is linear in the input; the caller caps the input length.
+// Thread-safety: all functions are pure and thread-safe.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace lorasync::reward {
+
+// The text after the last "</think>", or the whole text when there is none.
+std::string_view after_think(std::string_view text);
+
+// Content of the last complete \boxed{...}/\fbox{...}; nullopt when there is none.
+std::optional<std::string> extract_last_boxed(std::string_view text);
+
+// The evaluation-only fallback rules, in order; nullopt when nothing matches.
+std::optional<std::string> extract_fallback(std::string_view text);
+
+// Strips one pair of enclosing math delimiters ($..$, $$..$$, \(..\), \[..\]) and outer spaces.
+std::string strip_math_delimiters(std::string_view s);
+
+}  // namespace lorasync::reward

@@ -1,0 +1,200 @@
+// grade(): extraction, canonical strings, parsing and comparison glued together (grade.h).
+#include <algorithm>
+
+#include "reward/compare.h"
+#include "reward/expr.h"
+#include "reward/extract.h"
+#include "reward/grade.h"
+#include "reward/normalize.h"
+#include "reward/parser.h"
+
+namespace lorasync::reward {
+namespace {
+
+GradeResult verdict(bool correct, std::string extracted, std::string reason) {
+  GradeResult r;
+  r.correct = correct;
+  r.extracted = std::move(extracted);
+  r.reason = std::move(reason);
+  return r;
+}
+
+std::string replace_once(const std::string& s, std::size_t at, std::size_t len, std::string_view with) {
+  std::string out = s.substr(0, at);
+  out += with;
+  out += s.substr(at + len);
+  return out;
+}
+
+// Parses, expanding a single "\pm"/"\mp" into the list of its two values.
+ParseResult parse_expanded(const std::string& clean, const Limits& limits) {
+  std::size_t at = clean.find("\\pm");
+  if (at == std::string::npos) at = clean.find("\\mp");
+  if (at == std::string::npos || clean.find("\\pm", at + 3) != std::string::npos ||
+      clean.find("\\mp", at + 3) != std::string::npos)
+    return parse_answer(clean, limits.max_depth, limits.max_nodes);
+  bool leading = clean.find_first_not_of(' ') == at;
+  ParseResult a = parse_answer(replace_once(clean, at, 3, leading ? " " : "+"), limits.max_depth,
+                               limits.max_nodes);
+  ParseResult b = parse_answer(replace_once(clean, at, 3, "-"), limits.max_depth, limits.max_nodes);
+  if (!a.ok || !b.ok) return a.ok ? b : a;
+  ParseResult r;
+  r.ok = true;
+  Expr& e = r.expr;
+  e.nodes = a.expr.nodes;
+  int off = static_cast<int>(e.nodes.size());
+  for (Node n : b.expr.nodes) {
+    for (int& c : n.children) c += off;
+    e.nodes.push_back(std::move(n));
+  }
+  Node list;
+  list.kind = NodeKind::kList;
+  list.children = {a.expr.root, b.expr.root + off};
+  e.nodes.push_back(std::move(list));
+  e.root = static_cast<int>(e.nodes.size()) - 1;
+  e.has_decimal = a.expr.has_decimal || b.expr.has_decimal;
+  return r;
+}
+
+std::string trim_copy(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\n' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\n' || s.back() == '\t')) s.remove_suffix(1);
+  return std::string(s);
+}
+
+// A reference may itself carry a box (a whole solution as the reference).
+std::string reference_answer(std::string_view reference) {
+  if (reference.find("\\boxed") != std::string_view::npos || reference.find("\\fbox") != std::string_view::npos)
+    if (auto b = extract_last_boxed(reference)) return *b;
+  return std::string(reference);
+}
+
+// True when the text outside $...$ spans is only separators ("$8$, $4$", "$1$ and $2$").
+bool only_math_spans(std::string_view s) {
+  bool in_math = false;
+  std::string outside;
+  for (std::size_t k = 0; k < s.size(); ++k) {
+    char c = s[k];
+    if (c == '\\' && k + 1 < s.size()) {
+      if (in_math) {
+        ++k;
+        continue;
+      }
+      return false;
+    }
+    if (c == '$') {
+      in_math = !in_math;
+      continue;
+    }
+    if (!in_math) outside.push_back(c);
+  }
+  if (in_math) return false;
+  for (char c : outside)
+    if (!(c == ',' || c == ';' || c == ' ' || c == '\n' || c == 'a' || c == 'n' || c == 'd' ||
+          c == 'o' || c == 'r'))
+      return false;
+  return true;
+}
+
+}  // namespace
+
+bool canonical_string_equal(std::string_view predicted, std::string_view reference) {
+  NormalizedAnswer g = normalize_answer(reference, false);
+  NormalizedAnswer p = normalize_answer(predicted, !g.equation);
+  return !p.canonical.empty() && canonical_equal(g, p);
+}
+
+GradeResult compare_answers(std::string_view predicted, std::string_view reference_raw,
+                            const Limits& limits) {
+  std::string extracted(predicted);
+  std::string reference = reference_answer(reference_raw);
+  if (trim_copy(predicted).empty()) return verdict(false, extracted, "empty_answer");
+  if (trim_copy(predicted) == trim_copy(reference)) return verdict(true, extracted, "string_equal");
+  if (predicted.size() > limits.max_answer_bytes || reference.size() > limits.max_answer_bytes)
+    return verdict(false, extracted, "too_complex");
+
+  NormalizedAnswer g = normalize_answer(reference, false);
+  NormalizedAnswer p = normalize_answer(predicted, !g.equation);
+  if (p.canonical.empty()) return verdict(false, extracted, "empty_answer");
+  if (canonical_equal(g, p)) return verdict(true, extracted, "string_equal");
+
+  ParseResult gp = parse_expanded(g.clean, limits);
+  ParseResult pp = parse_expanded(p.clean, limits);
+  if (!gp.ok || !pp.ok) {
+    bool complex = (!gp.ok && gp.too_complex) || (!pp.ok && pp.too_complex);
+    return verdict(false, extracted, complex ? "too_complex" : "parse_error");
+  }
+  Budget budget;
+  budget.steps_left = limits.max_steps;
+  CompareOptions opt;
+  auto finish = [&](bool ok, std::string reason) {
+    GradeResult r = verdict(ok, extracted, std::move(reason));
+    r.steps = limits.max_steps - budget.steps_left;
+    return r;
+  };
+  CompareOutcome c = compare_exprs(gp.expr, pp.expr, opt, budget);
+  if (c.equal) return finish(true, c.reason);
+  if (c.too_complex) return finish(false, "too_complex");
+  if (g.percent != p.percent) {
+    // "28\%" against "0.28": the percentage is compared as a fraction (and 0.28 against "28\%").
+    opt.pred_scale = p.percent ? *Rational::make(1, 100) : Rational(100);
+    CompareOutcome s = compare_exprs(gp.expr, pp.expr, opt, budget);
+    if (s.equal) return finish(true, "percent_equal");
+    if (s.too_complex) return finish(false, "too_complex");
+  }
+  return finish(false, "not_equal");
+}
+
+GradeResult grade(std::string_view completion, std::string_view reference, const GradeOptions& options) {
+  if (completion.size() > options.limits.max_completion_bytes) return verdict(false, "", "too_complex");
+  std::string_view tail = after_think(completion);
+  std::optional<std::string> answer = extract_last_boxed(tail);
+  if (!answer && options.fallback) answer = extract_fallback(tail);
+  if (!answer) return verdict(false, "", "no_box");
+  return compare_answers(*answer, reference, options.limits);
+}
+
+GradeResult grade(std::string_view completion, const std::vector<std::string>& references,
+                  const GradeOptions& options) {
+  if (references.empty()) return verdict(false, "", "no_reference");
+  GradeResult last;
+  for (const std::string& ref : references) {
+    last = grade(completion, ref, options);
+    if (last.correct || last.reason == "no_box") return last;
+  }
+  return last;
+}
+
+GradeResult grade_answer(std::string_view prediction, std::string_view reference,
+                         const GradeOptions& options) {
+  if (prediction.size() > options.limits.max_completion_bytes) return verdict(false, "", "too_complex");
+  std::string_view tail = after_think(prediction);
+  std::optional<std::string> answer = extract_last_boxed(tail);
+  if (!answer) {
+    std::string s = strip_math_delimiters(tail);
+    bool dollar = false;
+    for (std::size_t k = 0; k < s.size(); ++k)
+      if (s[k] == '$' && (k == 0 || s[k - 1] != '\\')) dollar = true;
+    bool prose = dollar || s.find("\\(") != std::string::npos ||
+                 s.find("\\[") != std::string::npos || s.find("answer") != std::string::npos ||
+                 s.find("Answer") != std::string::npos;
+    std::string whole = trim_copy(tail);
+    if (prose && only_math_spans(whole)) answer = whole;  // "$8$, $4$": a list, span by span
+    else if (prose) answer = extract_fallback(s);
+    if (!answer) answer = s;
+  }
+  return compare_answers(*answer, reference, options.limits);
+}
+
+GradeResult grade_answer(std::string_view prediction, const std::vector<std::string>& references,
+                         const GradeOptions& options) {
+  if (references.empty()) return verdict(false, "", "no_reference");
+  GradeResult last;
+  for (const std::string& ref : references) {
+    last = grade_answer(prediction, ref, options);
+    if (last.correct) return last;
+  }
+  return last;
+}
+
+}  // namespace lorasync::reward

@@ -1,0 +1,366 @@
+// Proxy conformance tests (proxy.md §7): an in-process Proxy in front of in-process stub
+// replicas, all on loopback port 0. Deterministic (fixed traces), bounded in time.
+#include <gtest/gtest.h>
+
+#include <utility>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "bench/proxy/stub_replica.h"
+#include "http/client.h"
+#include "proxy/proxy.h"
+#include "util/error.h"
+#include <set>
+#include "util/bench_report.h"
+
+namespace lorasync::proxy {
+namespace {
+
+using nlohmann::json;
+
+struct Reply {
+  int status = 0;
+  http::Headers headers;
+  std::string body;
+  http::CallError error = http::CallError::kNone;
+  json j() const { return json::parse(body, nullptr, false); }
+};
+
+Reply call(std::uint16_t port, const std::string& method, const std::string& target, const std::string& body = "",
+           http::Headers h = {}, double timeout = 10) {
+  std::string err;
+  boost::asio::io_context ioc;  // outlives the pool (its sockets belong to it)
+  http::Pool pool(*http::Url::parse("http://127.0.0.1:" + std::to_string(port), err), http::ClientOptions{});
+  Reply r;
+  if (!h.has("content-type") && !body.empty()) h.add("Content-Type", "application/json");
+  boost::asio::co_spawn(ioc, [&]() -> http::Task<void> {
+    http::CallOptions o;
+    o.total_timeout_s = timeout;
+    auto f = co_await pool.fetch({method, target, &h, body}, o);
+    r.status = f.status;
+    r.headers = f.headers;
+    r.body = f.body;
+    r.error = f.error;
+  }, boost::asio::detached);
+  ioc.run();
+  return r;
+}
+
+std::string ids_prompt(const std::vector<int>& syms, const std::string& model = "m") {
+  std::string s = "{\"model\":\"" + model + "\",\"prompt\":[";
+  bool first = true;
+  for (int sym : syms)
+    for (int i = 0; i < 16; ++i) {
+      s += first ? "" : ",";
+      first = false;
+      s += std::to_string(sym);
+    }
+  return s + "],\"max_tokens\":4}";
+}
+
+struct Fleet {
+  std::vector<std::unique_ptr<bench::StubReplica>> stubs;
+  std::unique_ptr<Proxy> proxy;
+  explicit Fleet(int n, std::function<void(ProxyConfig&)> tweak = {}, std::function<void(bench::StubOptions&, int)> stub_tweak = {}) {
+    ProxyConfig c;
+    for (int i = 0; i < n; ++i) {
+      bench::StubOptions so;
+      so.index = i;
+      if (stub_tweak) stub_tweak(so, i);
+      stubs.push_back(std::make_unique<bench::StubReplica>(so));
+      stubs.back()->start();
+      c.upstreams.push_back(stubs.back()->url());
+    }
+    c.listen = "127.0.0.1:0";
+    c.upstream_token_env = "LORASYNC_TEST_TOKEN_UNSET";
+    c.stats_log_interval = 0;
+    c.probe_interval = 0.2;
+    c.probe_timeout = 1;
+    c.eject_cooldown = 0.2;
+    c.adapter_retry_interval = 0.05;
+    c.adapter_load_deadline = 5;
+    c.shutdown_grace = 1;
+    c.threads = 2;
+    if (tweak) tweak(c);
+    resolve_config(c);
+    proxy = std::make_unique<Proxy>(c);
+    proxy->start();
+  }
+  ~Fleet() {
+    proxy->stop();
+    for (auto& s : stubs) s->stop();
+  }
+  std::uint16_t port() const { return proxy->port(); }
+  int count(int stub, const std::string& path) const {
+    int n = 0;
+    for (const auto& c : stubs[static_cast<std::size_t>(stub)]->calls())
+      if (c.target == path) ++n;
+    return n;
+  }
+};
+
+TEST(ProxyConformance, IdenticalPromptsStickAndDistinctSpread) {
+  Fleet f(2);
+  std::set<std::string> ups;
+  for (int i = 0; i < 8; ++i) {
+    auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({1, 2, 3}));
+    ASSERT_EQ(r.status, 200) << r.body;
+    ups.insert(*r.headers.find("X-Proxy-Upstream"));
+    EXPECT_EQ(*r.headers.find("X-Proxy-Attempts"), "1");
+  }
+  EXPECT_EQ(ups.size(), 1u);
+  for (int i = 0; i < 16; ++i) ASSERT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({100 + i, 200 + i})).status, 200);
+  auto s = f.proxy->stats();
+  std::vector<std::uint64_t> tot = {s["upstreams"][0]["routed"].get<std::uint64_t>(), s["upstreams"][1]["routed"].get<std::uint64_t>()};
+  std::sort(tot.begin(), tot.end());
+  EXPECT_EQ(tot, (std::vector<std::uint64_t>{8, 16}));
+  // One extending the first follows it.
+  auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({1, 2, 3, 4}));
+  EXPECT_EQ(*r.headers.find("X-Proxy-Upstream"), *ups.begin());
+  s = f.proxy->stats();
+  EXPECT_EQ(s["router"]["affinity"].get<int>(), 8);
+  EXPECT_EQ(s["router"]["routed"].get<int>(), s["router"]["affinity"].get<int>() + s["router"]["spilled"].get<int>() +
+                                                   s["router"]["unmatched"].get<int>());
+}
+
+TEST(ProxyConformance, TemplateAndVersions) {
+  Fleet f(2);
+  std::vector<std::string> ups;
+  for (int p = 0; p < 20; ++p) {
+    auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({7, 8, 300 + p}));
+    ups.push_back(*r.headers.find("X-Proxy-Upstream"));
+  }
+  auto s = f.proxy->stats();
+  EXPECT_GE(s["router"]["unmatched"].get<int>(), 18);
+  EXPECT_LE(s["router"]["affinity"].get<int>(), 2);
+  auto d = s["upstreams"][0]["routed"].get<int>() - s["upstreams"][1]["routed"].get<int>();
+  EXPECT_LE(std::abs(d), 2);
+  EXPECT_EQ(*call(f.port(), "POST", "/v1/completions", ids_prompt({7, 8, 306})).headers.find("X-Proxy-Upstream"), ups[6]);
+  Fleet g(2);
+  call(g.port(), "POST", "/v1/completions", ids_prompt({1, 2}, "policy-v1"));
+  call(g.port(), "POST", "/v1/completions", ids_prompt({1, 2}, "policy-v2"));
+  EXPECT_EQ(g.proxy->stats()["router"]["affinity"].get<int>(), 0);
+}
+
+TEST(ProxyConformance, LoadRetriesNoAdapterFoundOnLaggingReplicaOnly) {
+  Fleet f(2, {}, [](bench::StubOptions& o, int i) { o.no_adapter_found_first = i == 0 ? 3 : 0; });
+  auto r = call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/policy-v1"})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(f.count(0, "/v1/load_lora_adapter"), 4);
+  EXPECT_EQ(f.count(1, "/v1/load_lora_adapter"), 1);
+  EXPECT_EQ(r.j()["replicas"][0]["attempts"].get<int>(), 4);
+  EXPECT_EQ(f.proxy->stats()["fleet"]["registry"], json::array({"policy-v1"}));
+}
+
+TEST(ProxyConformance, LoadAllOrNothingRollsBack) {
+  Fleet f(2, {}, [](bench::StubOptions& o, int i) { o.load_fail_status = i == 1 ? 400 : 0; });
+  auto r = call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v2","lora_path":"/b/x"})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_NE(r.body.find("rolled back"), std::string::npos);
+  EXPECT_EQ(f.count(0, "/v1/load_lora_adapter"), 1);
+  EXPECT_EQ(f.count(0, "/v1/unload_lora_adapter"), 1);
+  EXPECT_TRUE(f.stubs[0]->loaded().empty());
+  EXPECT_TRUE(f.proxy->stats()["fleet"]["registry"].empty());
+  EXPECT_EQ(r.j()["replicas"][0]["rollback"], "ok");
+  // Lag past the deadline: 504.
+  Fleet g(2, [](ProxyConfig& c) { c.adapter_load_deadline = 0.3; }, [](bench::StubOptions& o, int i) { o.no_adapter_found_first = i == 1 ? 1000 : 0; });
+  auto r2 = call(g.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v3","lora_path":"/b/y"})");
+  EXPECT_EQ(r2.status, 504) << r2.body;
+  EXPECT_TRUE(g.stubs[0]->loaded().empty());
+  // Malformed load bodies are 400 with no upstream call.
+  EXPECT_EQ(call(g.port(), "POST", "/v1/load_lora_adapter", R"({"lora_path":"/b/y"})").status, 400);
+}
+
+TEST(ProxyConformance, BroadcastsFanInAndPrimary) {
+  Fleet f(2);
+  auto p = call(f.port(), "POST", "/pause?mode=keep");
+  EXPECT_EQ(p.status, 200) << p.body;
+  EXPECT_EQ(f.count(0, "/pause?mode=keep"), 1);
+  EXPECT_EQ(f.count(1, "/pause?mode=keep"), 1);
+  EXPECT_EQ(f.proxy->stats()["fleet"]["pause_path"], "/pause?mode=keep");
+  EXPECT_EQ(call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"never-loaded"})").status, 200);
+  EXPECT_EQ(call(f.port(), "GET", "/health").status, 200);
+  f.stubs[1]->health_status.store(503);
+  auto h = call(f.port(), "GET", "/health");
+  EXPECT_EQ(h.status, 503);
+  EXPECT_NE(h.body.find("1/2 servers unhealthy"), std::string::npos) << h.body;
+  f.stubs[1]->health_status.store(200);
+  auto si = call(f.port(), "GET", "/server_info");
+  EXPECT_EQ(si.status, 200);
+  EXPECT_EQ(si.j()["stub"], 0);
+  // Hop-by-hop and Connection-listed headers do not cross; repeated Set-Cookie survive.
+  EXPECT_EQ(si.headers.find("Proxy-Authenticate"), nullptr);
+  EXPECT_EQ(si.headers.find("Trailer"), nullptr);
+  http::Headers in;
+  in.add("Connection", "keep-alive, X-Secret-Hop");
+  in.add("X-Secret-Hop", "1");
+  in.add("TE", "trailers");
+  in.add("X-Kept", "2");
+  auto out = http::strip_hop_by_hop(in);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out.items()[0].name, "X-Kept");
+  int cookies = 0;
+  for (const auto& x : si.headers) cookies += http::iequals(x.name, "set-cookie");
+  EXPECT_EQ(cookies, 2);
+  EXPECT_EQ(call(f.port(), "POST", "/proxy/stats").status, 405);
+  auto m = call(f.port(), "GET", "/metrics");
+  EXPECT_NE(m.body.find("lorasync_proxy_routed_total"), std::string::npos);
+  EXPECT_NE(m.body.find("lorasync_proxy_tracked_blocks"), std::string::npos);
+}
+
+TEST(ProxyConformance, ClosedPortGives502ThenEjection) {
+  // Replica 1 is a port with nothing listening.
+  Fleet f(1, [](ProxyConfig& c) { c.upstreams.push_back("http://127.0.0.1:1"); c.eject_after = 3; });
+  const double t0 = now_seconds();
+  auto h = call(f.port(), "GET", "/health");
+  EXPECT_EQ(h.status, 502);
+  EXPECT_LT(now_seconds() - t0, 3.0);
+  // Routed requests all succeed on the live replica (retried when they hit the dead one).
+  for (int i = 0; i < 6; ++i) {
+    auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({50 + i}));
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(*r.headers.find("X-Proxy-Upstream"), "0");
+  }
+  auto s = f.proxy->stats();
+  EXPECT_NE(s["upstreams"][1]["state"], "in_service");
+}
+
+TEST(ProxyConformance, AllDeadGives502Then503) {
+  Fleet f(0, [](ProxyConfig& c) { c.upstreams = {"http://127.0.0.1:1"}; c.eject_after = 2; c.eject_cooldown = 60; });
+  // 502 (transport error, nothing left to retry) until the replica is ejected, then 503 at once.
+  int n502 = 0;
+  Reply r;
+  for (int i = 0; i < 4; ++i) {
+    r = call(f.port(), "POST", "/v1/completions", ids_prompt({1}));
+    if (r.status != 502) break;
+    ++n502;
+    EXPECT_EQ(r.j()["error"]["type"], "proxy_error");
+    EXPECT_EQ(r.j()["error"]["message"].get<std::string>().rfind("proxy: ", 0), 0u);
+  }
+  EXPECT_LE(n502, 2);
+  EXPECT_EQ(r.status, 503) << r.body;
+}
+
+TEST(ProxyConformance, HungReplicaTimesOutWith504AndClientLeavingCancels) {
+  Fleet f(1, [](ProxyConfig& c) { c.first_byte_timeout = 0.5; });
+  f.stubs[0]->hang.store(true);
+  const double t0 = now_seconds();
+  auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({1}));
+  EXPECT_EQ(r.status, 504) << r.body;
+  EXPECT_LT(now_seconds() - t0, 5.0);
+  // Client leaving: a 0.5 s client timeout on a hung generation; the stub sees the close.
+  Fleet g(1);
+  g.stubs[0]->hang.store(true);
+  auto r2 = call(g.port(), "POST", "/v1/completions", ids_prompt({2}), {}, 0.5);
+  EXPECT_NE(r2.error, http::CallError::kNone);
+  for (int i = 0; i < 100 && g.stubs[0]->client_gone_seen() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(g.stubs[0]->client_gone_seen(), 1u);
+  for (int i = 0; i < 100 && g.proxy->stats()["upstreams"][0]["inflight"].get<int>() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(g.proxy->stats()["upstreams"][0]["inflight"].get<int>(), 0);
+  EXPECT_EQ(g.proxy->stats()["proxy"]["client_aborts"].get<int>(), 1);
+}
+
+TEST(ProxyConformance, StreamingRelayAndRestartedReplicaResync) {
+  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.2; });
+  auto s = call(f.port(), "POST", "/v1/completions", R"({"model":"m","prompt":[1,2],"stream":true})");
+  EXPECT_EQ(s.status, 200);
+  EXPECT_NE(s.body.find("data: [DONE]"), std::string::npos);
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v5","lora_path":"/b/5"})").status, 200);
+  ASSERT_EQ(call(f.port(), "POST", "/pause").status, 200);
+  f.stubs[1]->forget_adapters();  // a restart without state
+  for (int i = 0; i < 200 && f.stubs[1]->loaded().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(f.stubs[1]->loaded(), std::vector<std::string>{"policy-v5"});
+  // The pause intent was replayed after the load.
+  auto calls = f.stubs[1]->calls();
+  int last_load = -1, last_pause = -1;
+  for (int i = 0; i < static_cast<int>(calls.size()); ++i) {
+    if (calls[static_cast<std::size_t>(i)].target == "/v1/load_lora_adapter") last_load = i;
+    if (calls[static_cast<std::size_t>(i)].target == "/pause") last_pause = i;
+  }
+  for (int i = 0; i < 100 && last_pause < last_load; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    calls = f.stubs[1]->calls();
+    for (int k = 0; k < static_cast<int>(calls.size()); ++k)
+      if (calls[static_cast<std::size_t>(k)].target == "/pause") last_pause = k;
+  }
+  EXPECT_GT(last_pause, last_load);
+}
+
+TEST(ProxyConformance, AuthTokenAndBadInput) {
+  setenv("LORASYNC_TEST_KEY", "k3y", 1);
+  setenv("LORASYNC_TEST_TOKEN", "t0ken-secret", 1);
+  Fleet f(1, [](ProxyConfig& c) { c.api_key_env = "LORASYNC_TEST_KEY"; c.upstream_token_env = "LORASYNC_TEST_TOKEN"; c.max_body_bytes = 1000; });
+  auto r = call(f.port(), "GET", "/health");
+  EXPECT_EQ(r.status, 401);
+  EXPECT_NE(r.headers.find("WWW-Authenticate"), nullptr);
+  http::Headers bad;
+  bad.add("Authorization", "Bearer nope");
+  EXPECT_EQ(call(f.port(), "GET", "/proxy/stats", "", bad).status, 401);
+  http::Headers good;
+  good.add("Authorization", "Bearer k3y");
+  EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1}), good).status, 200);
+  auto calls = f.stubs[0]->calls();
+  ASSERT_FALSE(calls.empty());
+  for (const auto& c : calls) {
+    EXPECT_EQ(c.headers_authorization, 1);
+    EXPECT_EQ(c.authorization, "Bearer t0ken-secret");
+  }
+  std::size_t n_calls = calls.size();
+  for (const char* body : {"{", "[1,2]", R"({"model":3})", R"({"prompt":true})", R"({"prompt":[1,"a"]})"}) {
+    auto b = call(f.port(), "POST", "/v1/completions", body, good);
+    EXPECT_EQ(b.status, 400) << body;
+    EXPECT_TRUE(b.j()["error"].is_object()) << b.body;
+  }
+  EXPECT_EQ(call(f.port(), "POST", "/v1/completions", std::string(2000, ' '), good).status, 413);
+  http::Headers gz = good;
+  gz.add("Content-Encoding", "gzip");
+  EXPECT_EQ(call(f.port(), "POST", "/v1/completions", "{}", gz).status, 415);
+  http::Headers big = good;
+  big.add("X-Big", std::string(70000, 'a'));
+  EXPECT_EQ(call(f.port(), "GET", "/proxy/stats", "", big).status, 431);
+  // Nothing reached the upstream; the token never shows in stats or metrics.
+  size_t completions = 0;
+  for (const auto& c : f.stubs[0]->calls()) completions += c.target == "/v1/completions";
+  EXPECT_EQ(completions, 1u);
+  (void)n_calls;
+  EXPECT_EQ(call(f.port(), "GET", "/proxy/stats", "", good).body.find("t0ken-secret"), std::string::npos);
+  EXPECT_EQ(call(f.port(), "GET", "/metrics", "", good).body.find("t0ken-secret"), std::string::npos);
+  // Request id kept.
+  http::Headers rid = good;
+  rid.add("X-Request-Id", "abc-123");
+  auto x = call(f.port(), "POST", "/v1/completions", ids_prompt({9}), rid);
+  EXPECT_EQ(*x.headers.find("X-Request-Id"), "abc-123");
+  EXPECT_EQ(f.stubs[0]->calls().back().request_id, "abc-123");
+}
+
+TEST(ProxyConfig, Validation) {
+  auto bad = [](std::function<void(ProxyConfig&)> f) {
+    ProxyConfig c;
+    c.upstreams = {"http://127.0.0.1:9"};
+    c.upstream_token_env = "LORASYNC_TEST_TOKEN_UNSET";
+    f(c);
+    EXPECT_THROW(resolve_config(c), Error);
+  };
+  bad([](ProxyConfig& c) { c.upstreams = {}; });
+  bad([](ProxyConfig& c) { c.upstreams = {"http://a:1", "http://a:1/"}; });
+  bad([](ProxyConfig& c) { c.upstreams = {"ftp://a"}; });
+  bad([](ProxyConfig& c) { c.upstreams = {"http://u@a:1"}; });
+  bad([](ProxyConfig& c) { c.block_size = 0; });
+  bad([](ProxyConfig& c) { c.listen = "nohostport"; });
+  bad([](ProxyConfig& c) { c.api_key_env = "LORASYNC_TEST_KEY_UNSET"; });
+  setenv("LORASYNC_TEST_TOKEN2", "x", 1);
+  bad([](ProxyConfig& c) { c.upstreams = {"http://10.1.2.3:80"}; c.upstream_token_env = "LORASYNC_TEST_TOKEN2"; });
+  ProxyConfig ok;
+  ok.upstreams = {"http://10.1.2.3:80"};
+  ok.upstream_token_env = "LORASYNC_TEST_TOKEN2";
+  ok.allow_insecure_upstream_token = true;
+  EXPECT_NO_THROW(resolve_config(ok));
+}
+
+}  // namespace
+}  // namespace lorasync::proxy

@@ -1,0 +1,169 @@
+// Request scanner and block hashing rules (proxy.md §3.1-3.2), plus a fuzz/property test of the
+// scanner against nlohmann::json on random and mutated bodies (never crashes; accepts exactly the
+// valid JSON objects up to depth 64).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <random>
+#include <regex>
+
+#include "proxy/prompt_scan.h"
+
+#ifndef LORASYNC_FUZZ_ITERS
+#define LORASYNC_FUZZ_ITERS 20000
+#endif
+
+namespace lorasync::proxy {
+namespace {
+
+PromptScan scan_ok(const std::string& body, std::size_t bs = 16) {
+  PromptScan s;
+  auto e = scan_routed_request(body, bs, s);
+  EXPECT_FALSE(e) << body << ": " << (e ? e->message : "");
+  return s;
+}
+
+std::optional<ScanError> scan_err(const std::string& body) {
+  PromptScan s;
+  return scan_routed_request(body, 16, s);
+}
+
+std::string ids(int n, int base = 0) {
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string(base + i);
+  return s + "]";
+}
+
+TEST(Scan, WholeBlocksOnly) {
+  EXPECT_EQ(scan_ok(R"({"prompt":)" + ids(135) + "}").blocks.size(), 8u);
+  EXPECT_EQ(scan_ok(R"({"prompt":")" + std::string(63, 'x') + "\"}").blocks.size(), 0u);
+  EXPECT_EQ(scan_ok(R"({"prompt":")" + std::string(128, 'x') + "\"}").blocks.size(), 2u);
+  EXPECT_EQ(scan_ok(R"({"prompt":)" + ids(16) + "}").kind, PromptKind::kTokenIds);
+}
+
+TEST(Scan, ChainedAndModelSeeded) {
+  auto a = scan_ok(R"({"model":"policy-v1","prompt":)" + ids(48) + "}");
+  auto b = scan_ok(R"({"model":"policy-v2","prompt":)" + ids(48) + "}");
+  auto c = scan_ok(R"({"model":"policy-v1","prompt":)" + ids(32) + "}");
+  ASSERT_EQ(a.blocks.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_NE(a.blocks[i], b.blocks[i]);
+  EXPECT_EQ(a.blocks[0], c.blocks[0]);
+  EXPECT_EQ(a.blocks[1], c.blocks[1]);
+  // Chaining: the same 2nd block after a different 1st block hashes differently.
+  auto d = scan_ok(R"({"model":"policy-v1","prompt":)" + ids(16, 1000) + "}");
+  EXPECT_NE(a.blocks[0], d.blocks[0]);
+  EXPECT_EQ(a.model, "policy-v1");
+  // Absent model == "" and text vs ids of the same bytes differ (kind byte).
+  EXPECT_EQ(scan_ok(R"({"prompt":)" + ids(16) + "}").blocks[0],
+            scan_ok(R"({"model":"","prompt":)" + ids(16) + "}").blocks[0]);
+}
+
+TEST(Scan, EscapedAndLiteralTextHashAlike) {
+  std::string lit = std::string(60, 'a') + "\xc3\xa9" + "bb";                  // 64 bytes
+  std::string esc = std::string(60, 'a') + "\\u00e9" + "bb";
+  auto a = scan_ok(R"({"prompt":")" + lit + "\"}");
+  auto b = scan_ok(R"({"prompt":")" + esc + "\"}");
+  ASSERT_EQ(a.blocks.size(), 1u);
+  EXPECT_EQ(a.blocks, b.blocks);
+  // Surrogate pair == literal 4-byte UTF-8; \n and \/ escapes.
+  auto c = scan_ok(R"({"prompt":")" + std::string(60, 'a') + "\\ud83d\\ude00\"}");
+  auto d = scan_ok(R"({"prompt":")" + std::string(60, 'a') + "\xf0\x9f\x98\x80\"}");
+  EXPECT_EQ(c.blocks, d.blocks);
+  EXPECT_EQ(c.blocks.size(), 1u);
+  auto e = scan_ok(R"({"prompt":")" + std::string(62, 'a') + "\\n\\/\"}");
+  auto g = scan_ok(std::string(R"({"prompt":")") + std::string(62, 'a') + "\\n/\"}");
+  EXPECT_EQ(e.blocks, g.blocks);
+}
+
+TEST(Scan, SourceRules) {
+  // Batch -> first element.
+  EXPECT_EQ(scan_ok(R"({"prompt":[)" + ids(32) + "," + ids(64) + "]}").blocks,
+            scan_ok(R"({"prompt":)" + ids(32) + "}").blocks);
+  // Strings array, messages, empty, null: zero blocks.
+  EXPECT_TRUE(scan_ok(R"({"prompt":["aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]})").blocks.empty());
+  EXPECT_TRUE(scan_ok(R"({"messages":[{"role":"user","content":"hi"}]})").blocks.empty());
+  EXPECT_TRUE(scan_ok(R"({"prompt":[]})").blocks.empty());
+  // prompt: null beats messages (even a string messages).
+  EXPECT_TRUE(scan_ok(R"({"prompt":null,"messages":")" + std::string(64, 'x') + "\"}").blocks.empty());
+  EXPECT_EQ(scan_ok(R"({"messages":")" + std::string(64, 'x') + "\"}").blocks.size(), 1u);
+  // Last duplicate key wins.
+  EXPECT_EQ(scan_ok(R"({"prompt":)" + ids(16) + R"(,"prompt":)" + ids(32) + "}").blocks.size(), 2u);
+  EXPECT_EQ(scan_ok(R"({"model":"a","model":"b","prompt":[]})").model, "b");
+  // Escaped key names still match.
+  EXPECT_EQ(scan_ok(R"({"mod\u0065l":"z"})").model, "z");
+}
+
+TEST(Scan, BadTypesAre400) {
+  EXPECT_EQ(scan_err(R"({"model":5})")->param, "model");
+  EXPECT_EQ(scan_err(R"({"prompt":5})")->param, "prompt");
+  EXPECT_EQ(scan_err(R"({"prompt":true})")->param, "prompt");
+  EXPECT_EQ(scan_err(R"({"prompt":{"a":1}})")->param, "prompt");
+  EXPECT_EQ(scan_err(R"({"prompt":[1,2,"x"]})")->param, "prompt");
+  EXPECT_EQ(scan_err(R"({"prompt":[1,2.5]})")->param, "prompt");
+  EXPECT_EQ(scan_err(R"({"prompt":[1,99999999999999999999]})")->param, "prompt");
+  EXPECT_TRUE(scan_err(R"({"prompt":[-9223372036854775808, 9223372036854775807]})") == std::nullopt);
+  EXPECT_TRUE(scan_err("[1,2]").has_value());
+  EXPECT_TRUE(scan_err("{\"a\":1").has_value());
+  EXPECT_TRUE(scan_err("{\"a\":1} x").has_value());
+  EXPECT_TRUE(scan_err("").has_value());
+  EXPECT_TRUE(scan_err("{\"a\":\"\x01\"}").has_value());
+  std::string deep = "{\"a\":" + std::string(70, '[') + std::string(70, ']') + "}";
+  EXPECT_TRUE(scan_err(deep).has_value());
+  std::string ok_depth = "{\"a\":" + std::string(60, '[') + std::string(60, ']') + "}";
+  EXPECT_FALSE(scan_err(ok_depth).has_value());
+}
+
+TEST(Scan, LoraName) {
+  std::string n;
+  EXPECT_FALSE(scan_lora_name(R"({"lora_name":"policy-v3","lora_path":"/x"})", n));
+  EXPECT_EQ(n, "policy-v3");
+  EXPECT_TRUE(scan_lora_name(R"({"lora_name":3})", n));
+  EXPECT_TRUE(scan_lora_name(R"({"lora_path":"/x"})", n));
+  EXPECT_TRUE(scan_lora_name(R"(["lora_name"])", n));
+}
+
+// Random JSON-ish bodies and mutations of valid ones: the scanner agrees with nlohmann on
+// validity (for objects within the depth bound) and never crashes or reads out of bounds.
+TEST(ScanFuzz, AgreesWithReferenceParser) {
+  std::mt19937_64 rng(777);
+  const std::vector<std::string> seeds = {
+      R"({"model":"policy-v1","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17],"stream":true})",
+      R"({"model":"m","prompt":"hello \u00e9 \ud83d\ude00 world","max_tokens":16})",
+      R"({"messages":[{"role":"user","content":"2+2?"}],"temperature":0.5e-1,"n":1})",
+      R"({"prompt":[[1,2,3],[4,5]],"model":null,"x":{"y":[true,false,null,-0.5E+3]}})"};
+  const std::string alphabet = "{}[]\",:0123456789-+.eEtrufalsn \\u\x01\xff";
+  int valid_seen = 0;
+  for (int it = 0; it < LORASYNC_FUZZ_ITERS; ++it) {
+    std::string body = seeds[rng() % seeds.size()];
+    int n_mut = static_cast<int>(rng() % 4);
+    for (int m = 0; m < n_mut && !body.empty(); ++m) {
+      std::size_t pos = rng() % body.size();
+      switch (rng() % 3) {
+        case 0: body[pos] = alphabet[rng() % alphabet.size()]; break;
+        case 1: body.erase(pos, 1 + rng() % 3); break;
+        default: body.insert(pos, 1, alphabet[rng() % alphabet.size()]); break;
+      }
+    }
+    if (rng() % 10 == 0) body = body.substr(0, rng() % (body.size() + 1));
+    PromptScan s;
+    auto err = scan_routed_request(body, 1 + rng() % 16, s);
+    // nlohmann rejects lone surrogate escapes; Python's json (the reference) and we accept them.
+    static const std::regex kSurrogate(R"(\\u[dD][89a-fA-F][0-9a-fA-F]{2})");
+    bool ref_valid = nlohmann::json::accept(std::regex_replace(body, kSurrogate, "\\u0041"));
+    bool ref_object = false;
+    if (ref_valid) ref_object = nlohmann::json::parse(std::regex_replace(body, kSurrogate, "\\u0041")).is_object();
+    if (!ref_object) {
+      EXPECT_TRUE(err.has_value()) << body;
+    } else {
+      ++valid_seen;
+      EXPECT_EQ(json_is_valid(body), true) << body;
+      if (err) {
+        EXPECT_FALSE(err->param.empty()) << body << " -> " << err->message;  // only type errors
+      }
+    }
+  }
+  EXPECT_GT(valid_seen, 100);
+}
+
+}  // namespace
+}  // namespace lorasync::proxy
