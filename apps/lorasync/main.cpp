@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   cli::register_bench_gemm(*bench, reg);
   cli::register_bench_forward(*bench, reg);
+  cli::register_bench_serve(*bench, reg);
   cli::register_bench_grade(*bench, reg);
   cli::register_bench_tokenizer(*bench, reg);
   cli::register_bench_proxy(*bench, reg);

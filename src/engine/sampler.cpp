@@ -55,20 +55,44 @@ at::Tensor processed_logprobs(at::Tensor x, const SamplingParams& p) {
   return at::log_softmax(x, 0);
 }
 
-std::int32_t draw(const float* logp, std::int64_t V, std::mt19937_64& rng) {
+constexpr std::int64_t kBlock = 1024;
+
+// Per-row block sums of exp(logp) in double: [B, ceil(V / kBlock)]. Computed row-wise by ATen's
+// vectorised kernels, so a row's sums do not depend on the other rows of the batch.
+at::Tensor block_sums(const at::Tensor& probs) {
+  const auto B = probs.size(0), V = probs.size(1);
+  const auto nb = (V + kBlock - 1) / kBlock;
+  auto padded = at::constant_pad_nd(probs, {0, nb * kBlock - V}, 0);
+  return padded.view({B, nb, kBlock}).sum(-1, /*keepdim=*/false, at::kDouble).contiguous();
+}
+
+// Inverse-CDF draw: the first token whose cumulative probability exceeds u * total, found by
+// walking the block sums, then the one block.
+std::int32_t draw(const float* probs, const double* sums, std::int64_t V, std::mt19937_64& rng) {
   const double u = static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0);
+  const std::int64_t nb = (V + kBlock - 1) / kBlock;
   double total = 0;
-  for (std::int64_t i = 0; i < V; ++i) total += std::exp(static_cast<double>(logp[i]));
+  for (std::int64_t b = 0; b < nb; ++b) total += sums[b];
   const double target = u * total;
   double acc = 0;
-  std::int64_t last = 0;
-  for (std::int64_t i = 0; i < V; ++i) {
-    if (logp[i] == -std::numeric_limits<float>::infinity()) continue;
-    acc += std::exp(static_cast<double>(logp[i]));
-    last = i;
-    if (acc > target) return static_cast<std::int32_t>(i);
+  std::int64_t last = -1;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    if (acc + sums[b] <= target && b + 1 < nb) {
+      acc += sums[b];
+      continue;
+    }
+    const std::int64_t end = std::min(V, (b + 1) * kBlock);
+    for (std::int64_t i = b * kBlock; i < end; ++i) {
+      if (probs[i] <= 0) continue;
+      acc += static_cast<double>(probs[i]);
+      last = i;
+      if (acc > target) return static_cast<std::int32_t>(i);
+    }
   }
-  return static_cast<std::int32_t>(last);
+  if (last < 0)  // rounding pushed the target past the last block: take the last possible token
+    for (std::int64_t i = V - 1; i >= 0; --i)
+      if (probs[i] > 0) return static_cast<std::int32_t>(i);
+  return static_cast<std::int32_t>(std::max<std::int64_t>(last, 0));
 }
 
 void add_top(TokenOut& t, const at::Tensor& logp_row, int k) {
@@ -90,13 +114,15 @@ std::vector<TokenOut> sample_batch(const at::Tensor& logits_in, const std::vecto
   std::vector<std::int64_t> plain_rows;
   for (std::int64_t i = 0; i < B; ++i)
     if (plain(*rows[static_cast<std::size_t>(i)].params)) plain_rows.push_back(i);
-  at::Tensor plain_logp;
+  at::Tensor plain_logp, plain_probs, plain_sums;
   if (!plain_rows.empty()) {
     std::vector<double> temps;
     for (auto i : plain_rows) temps.push_back(rows[static_cast<std::size_t>(i)].params->temperature);
     auto idx = at::tensor(plain_rows, at::TensorOptions().dtype(at::kLong));
     auto t = at::tensor(temps, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat).unsqueeze(1);
     plain_logp = at::log_softmax(logits.index_select(0, idx) / t, 1).contiguous();
+    plain_probs = plain_logp.exp().contiguous();
+    plain_sums = block_sums(plain_probs);
   }
   std::size_t pi = 0;
   for (std::int64_t i = 0; i < B; ++i) {
@@ -105,8 +131,9 @@ std::vector<TokenOut> sample_batch(const at::Tensor& logits_in, const std::vecto
     TokenOut& t = out[static_cast<std::size_t>(i)];
     at::Tensor logp;
     if (pi < plain_rows.size() && plain_rows[pi] == i) {
-      logp = plain_logp[static_cast<std::int64_t>(pi++)];
-      t.id = draw(logp.data_ptr<float>(), V, *r.rng);
+      const auto k = static_cast<std::int64_t>(pi++);
+      logp = plain_logp[k];
+      t.id = draw(plain_probs[k].data_ptr<float>(), plain_sums[k].data_ptr<double>(), V, *r.rng);
     } else {
       auto row = apply_penalty(logits[i], r);
       if (p.temperature <= 0) {
@@ -114,7 +141,9 @@ std::vector<TokenOut> sample_batch(const at::Tensor& logits_in, const std::vecto
         t.id = static_cast<std::int32_t>(row.argmax().item<std::int64_t>());
       } else {
         logp = processed_logprobs(row, p).contiguous();
-        t.id = draw(logp.data_ptr<float>(), V, *r.rng);
+        auto probs = logp.exp().unsqueeze(0).contiguous();
+        auto sums = block_sums(probs);
+        t.id = draw(probs.data_ptr<float>(), sums.data_ptr<double>(), V, *r.rng);
       }
     }
     t.logprob = logp.data_ptr<float>()[t.id];
