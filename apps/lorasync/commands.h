@@ -29,6 +29,7 @@ void register_init_model(CLI::App& root, Registry& reg);
 void register_logprobs(CLI::App& root, Registry& reg);
 void register_generate(CLI::App& root, Registry& reg);
 void register_serve(CLI::App& root, Registry& reg);
+void register_init_adapter(CLI::App& root, Registry& reg);
 void register_grade(CLI::App& root, Registry& reg);
 void register_tokenize(CLI::App& root, Registry& reg);
 void register_train_tokenizer(CLI::App& root, Registry& reg);

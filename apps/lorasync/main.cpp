@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   cli::register_logprobs(app, reg);
   cli::register_generate(app, reg);
   cli::register_serve(app, reg);
+  cli::register_init_adapter(app, reg);
   cli::register_grade(app, reg);
   cli::register_tokenize(app, reg);
   cli::register_train_tokenizer(app, reg);
