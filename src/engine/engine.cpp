@@ -766,7 +766,6 @@ void Engine::validate(const RequestSpec& spec) const {
 
 void Engine::submit(RequestSpec spec) {
   validate(spec);
-  if (!impl_->alive && impl_->stopping) throw Error(ErrorKind::kUnavailable, "the engine is shutting down");
   auto shared = std::make_shared<RequestSpec>(std::move(spec));
   impl_->post([this, shared] { impl_->add_request(std::move(*shared)); });
 }
