@@ -57,8 +57,13 @@ Batch make_batch(const std::vector<std::vector<std::int64_t>>& seqs,
   return b;
 }
 
+// Accumulation dtype: fp32 for fp32/bf16/fp16 (as transformers), fp64 for fp64 models (checks).
+inline at::ScalarType acc_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  auto x32 = x.to(at::kFloat);
+  auto x32 = x.to(acc_type(x));
   auto var = x32.pow(2).mean(-1, /*keepdim=*/true);
   x32 = x32 * at::rsqrt(var + eps);
   return weight * x32.to(x.scalar_type());
@@ -104,7 +109,7 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
                     .triu(past + 1);  // true above the allowed diagonal
     scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   }
-  auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  auto probs = at::softmax(scores, -1, acc_type(q)).to(q.scalar_type());
   auto out = at::matmul(probs, vh);                           // [nkv, g, L, hd]
   return out.permute({2, 0, 1, 3}).reshape({L, nh * hd});
 }
@@ -208,7 +213,7 @@ at::Tensor Qwen2Model::attention(std::int64_t l, const at::Tensor& x, const Batc
       auto qh = q.view({B, nkv, g, 1, hd});
       auto scores = at::matmul(qh, K.transpose(-1, -2)) * (1.0 / std::sqrt(static_cast<double>(hd)));
       scores = scores + meta->decode_bias.view({B, 1, 1, 1, Lmax}).to(scores.scalar_type());
-      auto probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+      auto probs = at::softmax(scores, -1, acc_type(q)).to(q.scalar_type());
       out = at::matmul(probs, Vv).reshape({B, nh * hd});  // [B, nkv, g, 1, hd] -> [B, nh*hd]
     } else {
       std::vector<at::Tensor> parts;
@@ -264,7 +269,7 @@ at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool
 }
 
 at::Tensor Qwen2Model::logits(const at::Tensor& hidden) const {
-  return at::linear(hidden, lm_head_weight()).to(at::kFloat);
+  return at::linear(hidden, lm_head_weight()).to(acc_type(hidden));
 }
 
 at::Tensor& Qwen2Model::module_weight(std::int64_t layer, LoraModule m) {
