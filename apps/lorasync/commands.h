@@ -39,6 +39,7 @@ void register_proxy(CLI::App& root, Registry& reg);  // also the hidden stub-rep
 void register_bench_gemm(CLI::App& bench, Registry& reg);
 void register_bench_forward(CLI::App& bench, Registry& reg);
 void register_bench_serve(CLI::App& bench, Registry& reg);
+void register_bench_train(CLI::App& bench, Registry& reg);
 void register_bench_grade(CLI::App& bench, Registry& reg);
 void register_bench_tokenizer(CLI::App& bench, Registry& reg);
 void register_bench_proxy(CLI::App& bench, Registry& reg);

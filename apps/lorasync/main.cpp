@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
   cli::register_bench_gemm(*bench, reg);
   cli::register_bench_forward(*bench, reg);
   cli::register_bench_serve(*bench, reg);
+  cli::register_bench_train(*bench, reg);
   cli::register_bench_grade(*bench, reg);
   cli::register_bench_tokenizer(*bench, reg);
   cli::register_bench_proxy(*bench, reg);

@@ -180,3 +180,26 @@ TEST(Packing, DeterministicBalancedAndBounded) {
 
 }  // namespace
 }  // namespace lorasync::rl
+
+#include "rl/optimizer.h"
+
+namespace lorasync::rl {
+namespace {
+
+TEST(AdamW, MatchesTheClosedFormFirstStepsAndClipsGlobally) {
+  auto p = at::tensor({1.0f, -2.0f}).requires_grad_();
+  AdamW opt({p}, {0.9, 0.95, 1e-8, 0.0});
+  p.mutable_grad() = at::tensor({0.5f, -0.25f});
+  opt.step(0.1);
+  // Step 1: m_hat = g, v_hat = g^2, update = lr * sign(g).
+  EXPECT_NEAR(p[0].item<float>(), 1.0f - 0.1f, 1e-6);
+  EXPECT_NEAR(p[1].item<float>(), -2.0f + 0.1f, 1e-6);
+  EXPECT_EQ(opt.steps(), 1);
+  auto q = at::tensor({0.0f, 0.0f}).requires_grad_();
+  q.mutable_grad() = at::tensor({3.0f, 4.0f});
+  EXPECT_NEAR(clip_grad_norm({q}, 1.0), 5.0, 1e-9);
+  EXPECT_NEAR(q.grad().norm().item<float>(), 1.0f, 1e-5);
+}
+
+}  // namespace
+}  // namespace lorasync::rl
