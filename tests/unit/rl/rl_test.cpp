@@ -203,3 +203,48 @@ TEST(AdamW, MatchesTheClosedFormFirstStepsAndClipsGlobally) {
 
 }  // namespace
 }  // namespace lorasync::rl
+
+#include "rl/config.h"
+
+namespace lorasync::rl {
+namespace {
+
+TEST(TrainConfig, PrecedenceUnknownKeysAndValidation) {
+  auto c = TrainConfig::load(std::string(LORASYNC_SOURCE_DIR) + "/configs/sanity-qwen2.5-math-1.5b.toml",
+                             {"grpo.advantage=\"grpo\"", "async.max_inflight=64", "model.path=models/x"});
+  EXPECT_EQ(c.model.dtype, "fp16");
+  EXPECT_EQ(c.grpo.loss_norm_const, 3000);
+  EXPECT_EQ(c.grpo.advantage, "grpo");
+  EXPECT_EQ(c.async.max_inflight, 64);
+  EXPECT_EQ(c.model.path, "models/x");
+  EXPECT_EQ(c.lora.target_modules, std::vector<std::string>{"all-linear"});
+  EXPECT_NO_THROW(c.validate());
+  // The resolved configuration round-trips.
+  auto back = TrainConfig::parse(c.to_toml(), "resolved");
+  EXPECT_EQ(back.to_toml(), c.to_toml());
+  auto expect_msg = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted; expected " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_msg([] { TrainConfig::parse("[grpo]\nnum_generation = 8\n", "f.toml"); }, "unknown key grpo.num_generation");
+  expect_msg([] { TrainConfig::parse("seed = \"x\"\n", "f.toml"); }, "seed must be an integer");
+  expect_msg([] { TrainConfig::parse("[grpo\n", "f.toml"); }, "not valid TOML");
+  expect_msg([] { TrainConfig::parse("", "d", {"nope.key=1"}); }, "unknown key nope.key");
+  auto v = [](std::vector<std::string> sets) { TrainConfig::parse("", "d", std::move(sets)).validate(); };
+  expect_msg([&] { v({"batching.samples_per_step=100"}); }, "multiple of grpo.num_generations");
+  expect_msg([&] { v({"batching.row_tokens=1000"}); }, "row_tokens");
+  expect_msg([&] { v({"data.max_prompt_tokens=5000"}); }, "max_prompt_tokens");
+  expect_msg([&] { v({"grpo.old_policy=\"behaviour\""}); }, "tis_cap = 0");
+  expect_msg([&] { v({"grpo.num_generations=1"}); }, "at least 2");
+  expect_msg([&] { v({"grpo.reward_weights=[1.0, 2.0]"}); }, "reward_weights");
+  expect_msg([&] { v({"generation.top_p=0.9"}); }, "top_p must be 1.0");
+  expect_msg([&] { v({"generation.top_k=5"}); }, "top_k must be 0");
+  expect_msg([&] { v({"lora.dropout=0.1"}); }, "dropout must be 0");
+}
+
+}  // namespace
+}  // namespace lorasync::rl

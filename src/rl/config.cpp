@@ -1,0 +1,257 @@
+#include "rl/config.h"
+
+#include <toml++/toml.h>
+
+#include <sstream>
+#include <variant>
+
+#include "util/error.h"
+#include "util/files.h"
+
+namespace lorasync::rl {
+
+namespace {
+
+using Field = std::variant<std::string*, std::int64_t*, double*, bool*, std::vector<std::string>*,
+                           std::vector<std::int64_t>*, std::vector<double>*>;
+struct Binding {
+  std::string section, key;
+  Field field;
+};
+
+std::vector<Binding> bindings(TrainConfig& c) {
+  return {
+      {"", "run_name", &c.run_name}, {"", "output_dir", &c.output_dir}, {"", "seed", &c.seed},
+      {"", "max_steps", &c.max_steps},
+      {"model", "path", &c.model.path}, {"model", "served_name", &c.model.served_name},
+      {"model", "device", &c.model.device}, {"model", "dtype", &c.model.dtype}, {"model", "attention", &c.model.attention},
+      {"lora", "rank", &c.lora.rank}, {"lora", "alpha", &c.lora.alpha}, {"lora", "dropout", &c.lora.dropout},
+      {"lora", "target_modules", &c.lora.target_modules}, {"lora", "init_adapter", &c.lora.init_adapter},
+      {"data", "train_file", &c.data.train_file}, {"data", "problem_key", &c.data.problem_key},
+      {"data", "answer_key", &c.data.answer_key}, {"data", "prompt_format", &c.data.prompt_format},
+      {"data", "system_prompt", &c.data.system_prompt}, {"data", "max_prompt_tokens", &c.data.max_prompt_tokens},
+      {"data", "shuffle", &c.data.shuffle}, {"data", "epochs", &c.data.epochs},
+      {"generation", "server_url", &c.generation.server_url}, {"generation", "request_mode", &c.generation.request_mode},
+      {"generation", "max_new_tokens", &c.generation.max_new_tokens}, {"generation", "context_len", &c.generation.context_len},
+      {"generation", "temperature", &c.generation.temperature}, {"generation", "top_p", &c.generation.top_p},
+      {"generation", "top_k", &c.generation.top_k}, {"generation", "stop_token_ids", &c.generation.stop_token_ids},
+      {"generation", "seed_requests", &c.generation.seed_requests},
+      {"generation", "request_timeout_s", &c.generation.request_timeout_s}, {"generation", "server_wait_s", &c.generation.server_wait_s},
+      {"grpo", "num_generations", &c.grpo.num_generations}, {"grpo", "reward_funcs", &c.grpo.reward_funcs},
+      {"grpo", "reward_weights", &c.grpo.reward_weights}, {"grpo", "reward_timeout_s", &c.grpo.reward_timeout_s},
+      {"grpo", "reward_on_timeout", &c.grpo.reward_on_timeout}, {"grpo", "truncated_reward", &c.grpo.truncated_reward},
+      {"grpo", "advantage", &c.grpo.advantage}, {"grpo", "loss_agg", &c.grpo.loss_agg},
+      {"grpo", "loss_norm_const", &c.grpo.loss_norm_const}, {"grpo", "epsilon_low", &c.grpo.epsilon_low},
+      {"grpo", "epsilon_high", &c.grpo.epsilon_high}, {"grpo", "old_policy", &c.grpo.old_policy},
+      {"grpo", "tis_cap", &c.grpo.tis_cap}, {"grpo", "beta", &c.grpo.beta},
+      {"async", "max_inflight", &c.async.max_inflight}, {"async", "queue_maxsize", &c.async.queue_maxsize},
+      {"async", "score_workers", &c.async.score_workers}, {"async", "score_queue_groups", &c.async.score_queue_groups},
+      {"async", "max_staleness", &c.async.max_staleness}, {"async", "requeue_dropped", &c.async.requeue_dropped},
+      {"async", "max_prompt_attempts", &c.async.max_prompt_attempts}, {"async", "max_retries", &c.async.max_retries},
+      {"async", "retry_backoff_s", &c.async.retry_backoff_s}, {"async", "retry_backoff_max_s", &c.async.retry_backoff_max_s},
+      {"async", "server_down_s", &c.async.server_down_s}, {"async", "ordered", &c.async.ordered},
+      {"batching", "mode", &c.batching.mode}, {"batching", "samples_per_step", &c.batching.samples_per_step},
+      {"batching", "step_token_budget", &c.batching.step_token_budget}, {"batching", "row_tokens", &c.batching.row_tokens},
+      {"batching", "logits_chunk", &c.batching.logits_chunk},
+      {"batching", "activation_checkpointing", &c.batching.activation_checkpointing},
+      {"optimizer", "lr", &c.optimizer.lr}, {"optimizer", "betas", &c.optimizer.betas}, {"optimizer", "eps", &c.optimizer.eps},
+      {"optimizer", "weight_decay", &c.optimizer.weight_decay}, {"optimizer", "max_grad_norm", &c.optimizer.max_grad_norm},
+      {"optimizer", "scheduler", &c.optimizer.scheduler}, {"optimizer", "warmup_steps", &c.optimizer.warmup_steps},
+      {"optimizer", "min_lr_ratio", &c.optimizer.min_lr_ratio}, {"optimizer", "loss_scale_init", &c.optimizer.loss_scale_init},
+      {"optimizer", "loss_scale_window", &c.optimizer.loss_scale_window},
+      {"sync", "weight_sync_steps", &c.sync.weight_sync_steps}, {"sync", "publish_dir", &c.sync.publish_dir},
+      {"sync", "server_publish_dir", &c.sync.server_publish_dir}, {"sync", "adapter_prefix", &c.sync.adapter_prefix},
+      {"sync", "adapter_retry_interval", &c.sync.adapter_retry_interval},
+      {"sync", "adapter_load_deadline", &c.sync.adapter_load_deadline}, {"sync", "blocking", &c.sync.blocking},
+      {"sync", "pause_during_load", &c.sync.pause_during_load},
+      {"checkpoint", "save_steps", &c.checkpoint.save_steps}, {"checkpoint", "save_total_limit", &c.checkpoint.save_total_limit},
+      {"checkpoint", "save_on_sigterm", &c.checkpoint.save_on_sigterm},
+      {"logging", "metrics_file", &c.logging.metrics_file}, {"logging", "group_log", &c.logging.group_log},
+      {"logging", "metrics_port", &c.logging.metrics_port}, {"logging", "metrics_bind", &c.logging.metrics_bind},
+      {"logging", "log_every", &c.logging.log_every}, {"logging", "peak_tflops", &c.logging.peak_tflops},
+  };
+}
+
+std::string full_key(const Binding& b) { return b.section.empty() ? b.key : b.section + "." + b.key; }
+
+void assign(const Binding& b, const toml::node& n, const std::string& where) {
+  const std::string key = full_key(b);
+  auto fail = [&](const char* want) {
+    std::ostringstream os;
+    n.visit([&](const auto& v) { os << v; });
+    throw_invalid("{}: {} must be {}, got {}", where, key, want, os.str());
+  };
+  std::visit(
+      [&](auto* f) {
+        using T = std::remove_pointer_t<decltype(f)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (!n.is_string()) fail("a string");
+          *f = n.as_string()->get();
+        } else if constexpr (std::is_same_v<T, std::int64_t>) {
+          if (!n.is_integer()) fail("an integer");
+          *f = n.as_integer()->get();
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (n.is_integer()) *f = static_cast<double>(n.as_integer()->get());
+          else if (n.is_floating_point()) *f = n.as_floating_point()->get();
+          else fail("a number");
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (!n.is_boolean()) fail("true or false");
+          *f = n.as_boolean()->get();
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          f->clear();
+          if (n.is_string()) f->push_back(n.as_string()->get());
+          else if (n.is_array()) {
+            for (const auto& e : *n.as_array()) {
+              if (!e.is_string()) fail("a list of strings");
+              f->push_back(e.as_string()->get());
+            }
+          } else fail("a string or a list of strings");
+        } else if constexpr (std::is_same_v<T, std::vector<std::int64_t>>) {
+          if (!n.is_array()) fail("a list of integers");
+          f->clear();
+          for (const auto& e : *n.as_array()) {
+            if (!e.is_integer()) fail("a list of integers");
+            f->push_back(e.as_integer()->get());
+          }
+        } else {
+          if (!n.is_array()) fail("a list of numbers");
+          f->clear();
+          for (const auto& e : *n.as_array()) {
+            if (e.is_integer()) f->push_back(static_cast<double>(e.as_integer()->get()));
+            else if (e.is_floating_point()) f->push_back(e.as_floating_point()->get());
+            else fail("a list of numbers");
+          }
+        }
+      },
+      b.field);
+}
+
+const Binding* find(const std::vector<Binding>& bs, const std::string& section, const std::string& key) {
+  for (const auto& b : bs)
+    if (b.section == section && b.key == key) return &b;
+  return nullptr;
+}
+
+void apply_table(TrainConfig& c, const toml::table& root, const std::string& label) {
+  auto bs = bindings(c);
+  for (const auto& [k, v] : root) {
+    const std::string key(k.str());
+    if (v.is_table()) {
+      for (const auto& [k2, v2] : *v.as_table()) {
+        const Binding* b = find(bs, key, std::string(k2.str()));
+        if (b == nullptr) throw_invalid("{}: unknown key {}.{}", label, key, std::string(k2.str()));
+        assign(*b, v2, label);
+      }
+    } else {
+      const Binding* b = find(bs, "", key);
+      if (b == nullptr) throw_invalid("{}: unknown key {}", label, key);
+      assign(*b, v, label);
+    }
+  }
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::parse(const std::string& text, const std::string& label,
+                               const std::vector<std::string>& overrides) {
+  TrainConfig c;
+  try {
+    apply_table(c, toml::parse(text, label), label);
+  } catch (const toml::parse_error& e) {
+    throw_invalid("{}: not valid TOML at line {}: {}", label, e.source().begin.line, e.description());
+  }
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    const auto dot = o.find('.');
+    if (eq == std::string::npos) throw_invalid("--set {}: expected section.key=value", o);
+    const std::string path = o.substr(0, eq), value = o.substr(eq + 1);
+    const std::string section = dot != std::string::npos && dot < eq ? path.substr(0, dot) : "";
+    const std::string key = section.empty() ? path : path.substr(dot + 1);
+    auto bs = bindings(c);
+    const Binding* b = find(bs, section, key);
+    if (b == nullptr) throw_invalid("--set {}: unknown key {}", o, path);
+    toml::table t;
+    try {
+      t = toml::parse("v = " + value);
+    } catch (const toml::parse_error&) {
+      t = toml::table{{"v", value}};  // a bare word: a string
+    }
+    assign(*b, *t.get("v"), "--set " + o);
+  }
+  return c;
+}
+
+TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::string>& overrides) {
+  return parse(path.empty() ? std::string() : read_file(path), path.empty() ? "defaults" : path, overrides);
+}
+
+void TrainConfig::validate() const {
+  const auto& g = grpo;
+  if (g.num_generations < 2) throw_invalid("grpo.num_generations must be at least 2, got {}", g.num_generations);
+  if (batching.mode == "count" && batching.samples_per_step % g.num_generations != 0)
+    throw_invalid("batching.samples_per_step ({}) must be a multiple of grpo.num_generations ({})",
+                  batching.samples_per_step, g.num_generations);
+  if (batching.mode != "count" && batching.mode != "tokens")
+    throw_invalid("batching.mode must be \"count\" or \"tokens\", got \"{}\"", batching.mode);
+  if (batching.row_tokens < generation.context_len)
+    throw_invalid("batching.row_tokens ({}) must be >= generation.context_len ({})", batching.row_tokens,
+                  generation.context_len);
+  if (data.max_prompt_tokens >= generation.context_len)
+    throw_invalid("data.max_prompt_tokens ({}) must be < generation.context_len ({})", data.max_prompt_tokens,
+                  generation.context_len);
+  if (g.old_policy == "behaviour" && g.tis_cap > 0)
+    throw_invalid("grpo.old_policy = \"behaviour\" needs grpo.tis_cap = 0 (got {}): the TIS weight is identically 1",
+                  g.tis_cap);
+  if (g.old_policy != "recompute" && g.old_policy != "step_start" && g.old_policy != "behaviour")
+    throw_invalid("grpo.old_policy must be recompute, step_start or behaviour; got \"{}\"", g.old_policy);
+  if (g.advantage != "dr_grpo" && g.advantage != "grpo")
+    throw_invalid("grpo.advantage must be dr_grpo or grpo; got \"{}\"", g.advantage);
+  if (g.loss_agg != "seq_sum_const" && g.loss_agg != "token_mean")
+    throw_invalid("grpo.loss_agg must be seq_sum_const or token_mean; got \"{}\"", g.loss_agg);
+  if (g.reward_weights.size() != g.reward_funcs.size())
+    throw_invalid("grpo.reward_weights has {} entries but grpo.reward_funcs has {}", g.reward_weights.size(),
+                  g.reward_funcs.size());
+  if (generation.top_p != 1.0)
+    throw_invalid("generation.top_p must be 1.0 (got {}): truncated sampling biases every ratio", generation.top_p);
+  if (generation.top_k != 0)
+    throw_invalid("generation.top_k must be 0 (got {}): truncated sampling biases every ratio", generation.top_k);
+  if (lora.dropout != 0.0)
+    throw_invalid("lora.dropout must be 0 (got {}): it would make trainer logprobs differ from the servers'", lora.dropout);
+  if (lora.rank <= 0) throw_invalid("lora.rank must be positive, got {}", lora.rank);
+  if (optimizer.betas.size() != 2) throw_invalid("optimizer.betas must hold two numbers");
+  if (sync.weight_sync_steps <= 0) throw_invalid("sync.weight_sync_steps must be positive");
+  if (async.max_staleness < 0) throw_invalid("async.max_staleness must be >= 0");
+  if (generation.request_mode != "group" && generation.request_mode != "single")
+    throw_invalid("generation.request_mode must be group or single; got \"{}\"", generation.request_mode);
+}
+
+std::string TrainConfig::to_toml() const {
+  TrainConfig copy = *this;
+  auto bs = bindings(copy);
+  toml::table root;
+  for (const auto& b : bs) {
+    toml::table* t = &root;
+    if (!b.section.empty()) {
+      if (!root.contains(b.section)) root.insert(b.section, toml::table{});
+      t = root.get(b.section)->as_table();
+    }
+    std::visit(
+        [&](auto* f) {
+          using T = std::remove_pointer_t<decltype(f)>;
+          if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::int64_t> ||
+                        std::is_same_v<T, double> || std::is_same_v<T, bool>) {
+            t->insert_or_assign(b.key, *f);
+          } else {
+            toml::array a;
+            for (const auto& e : *f) a.push_back(e);
+            t->insert_or_assign(b.key, a);
+          }
+        },
+        b.field);
+  }
+  std::ostringstream os;
+  os << root << "\n";
+  return os.str();
+}
+
+}  // namespace lorasync::rl
