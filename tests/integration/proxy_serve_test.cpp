@@ -6,6 +6,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <random>
 #include <thread>
 
@@ -140,6 +144,68 @@ TEST(ProxyWithRealReplicas, RoutesLoadsAndSurvivesAReplicaRestart) {
   EXPECT_NE(load_pos, std::string::npos) << log.substr(0, 2000);
   proxy.kill(SIGTERM);
   EXPECT_EQ(proxy.wait_exit(30), std::optional<int>(0));
+}
+
+// A replica killed in the middle of a streamed response: the client's stream ends at once without
+// a valid end (no [DONE], connection closed), nothing hangs, and the next requests succeed on the
+// other replica.
+TEST(ProxyWithRealReplicas, ReplicaKilledMidStreamEndsTheStreamWithoutHanging) {
+  TempDir dir("lorasync-proxy-midstream");
+  auto model = dir.path() / "tiny";
+  auto r = testing::run_lorasync("init-model --preset tiny --seed 4 --output " + testing::shell_quote(model.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::uint16_t ports[2] = {0, 0};
+  std::unique_ptr<testing::ChildProcess> reps[2];
+  for (int i = 0; i < 2; ++i) reps[i] = start_replica(model, dir.path(), 0, &ports[i]);
+  testing::ChildProcess proxy({LORASYNC_BINARY, "proxy", "--listen", "127.0.0.1:0", "--upstream",
+                               "http://127.0.0.1:" + std::to_string(ports[0]), "--upstream",
+                               "http://127.0.0.1:" + std::to_string(ports[1]), "--probe-interval", "0.2",
+                               "--eject-after", "2", "--connect-timeout", "1"});
+  auto line = proxy.read_line(30);
+  ASSERT_TRUE(line) << proxy.stderr_text();
+  const std::string listen = json::parse(*line)["listening"];
+  const auto pp = static_cast<std::uint16_t>(std::stoi(listen.substr(listen.rfind(':') + 1)));
+  // A long stream, read by hand: headers first (which replica answers), then kill that replica.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(pp);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  timeval tv{20, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const std::string body = json{{"model", "tiny"}, {"prompt", {1, 2, 3}}, {"max_tokens", 400}, {"stream", true},
+                                {"ignore_eos", true}}.dump();
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+                          "application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+  std::string got;
+  char buf[4096];
+  while (got.find("data: ") == std::string::npos) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0) << got;
+    got.append(buf, static_cast<std::size_t>(n));
+  }
+  auto h = got.find("X-Proxy-Upstream: ");
+  ASSERT_NE(h, std::string::npos) << got.substr(0, 400);
+  const int victim = got[h + 18] - '0';
+  ASSERT_TRUE(victim == 0 || victim == 1);
+  reps[victim]->kill(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(waited, 5.0) << "the client was left hanging";
+  EXPECT_EQ(got.find("[DONE]"), std::string::npos) << "a truncated stream must not look complete";
+  // Later requests succeed on the surviving replica.
+  for (int i = 0; i < 5; ++i) {
+    auto res = http_request(pp, "POST", "/v1/completions", json{{"model", "tiny"}, {"prompt", {4, 5}}, {"max_tokens", 2}}.dump());
+    EXPECT_EQ(res.status, 200) << res.body;
+  }
 }
 
 }  // namespace
