@@ -118,7 +118,13 @@ TEST(ServeSoak, ConcurrentClientsWithAdapterChurn) {
   EXPECT_EQ(testing::http_request(port, "GET", "/health").status, 200);
   // Memory bounded: the KV pool is preallocated; allow allocator noise.
   EXPECT_LT(rss_end - rss_start, 200 * 1024) << "RSS grew from " << rss_start << " kB to " << rss_end << " kB";
-  auto metrics = testing::http_request(port, "GET", "/metrics").body;
+  // Every request has been answered: the engine drains to zero running sequences.
+  std::string metrics;
+  for (int i = 0; i < 50; ++i) {
+    metrics = testing::http_request(port, "GET", "/metrics").body;
+    if (metrics.find("lorasync_server_requests_running 0") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   EXPECT_NE(metrics.find("lorasync_server_requests_running 0"), std::string::npos) << metrics.substr(0, 400);
   srv.kill(SIGTERM);
   EXPECT_EQ(srv.wait_exit(30), std::optional<int>(0));

@@ -1,0 +1,662 @@
+// engine/engine_impl.h: the engine thread's state and loop (private to engine.cpp; split out so
+// that no file passes ~800 lines). See engine.h for the design.
+#pragma once
+
+#include "engine/engine.h"
+
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+#include "core/model/qwen2_model.h"
+#include "core/tokenizer/tokenizer.h"
+#include "engine/block_manager.h"
+#include "engine/sampler.h"
+#include "util/bench_report.h"
+#include "util/error.h"
+#include "util/log.h"
+
+namespace lorasync::engine {
+
+namespace detail {
+
+constexpr std::size_t kLatencySamples = 4096;
+
+struct Group;
+
+struct Sequence {
+  Group* g = nullptr;
+  int index = 0;
+  std::vector<std::int32_t> tokens;   // prompt + output
+  std::int64_t n_prompt = 0;
+  std::int64_t n_computed = 0;        // tokens whose KV is in the cache
+  std::vector<std::int32_t> blocks;   // block table
+  std::vector<BlockHash> hashes;      // chained hashes of the full blocks registered so far
+  std::mt19937_64 rng;
+  std::unique_ptr<tok::IncrementalDecoder> dec;
+  std::string text;                   // output text so far (after stop-string truncation)
+  std::size_t text_sent = 0;
+  std::int64_t n_out = 0;
+  FinishReason finish = FinishReason::kNone;
+  std::int64_t arrival = 0;
+  bool in_running = false;
+  double t_last = 0;
+};
+
+struct Group {
+  RequestSpec spec;
+  int slot = -1;                      // adapter slot, -1 = base model
+  BlockHash seed;
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  bool forked = false;
+  bool cached_counted = false;
+  int n_done = 0;
+  RequestUsage usage;
+  std::vector<ChoiceDelta> pending;
+  double t_submit = 0;
+  bool first_token = false;
+  std::size_t max_stop_len = 0;
+};
+
+struct Slot {
+  std::shared_ptr<const LoadedAdapter> adapter;
+  std::int64_t inflight = 0;
+  bool draining = false;
+  BlockHash seed;
+  std::int64_t order = 0;
+};
+
+struct Sched {
+  Sequence* seq;
+  std::int64_t n;  // tokens fed this step
+};
+
+}  // namespace detail
+
+using detail::Group;
+using detail::Sequence;
+using detail::Sched;
+using detail::Slot;
+using detail::kLatencySamples;
+
+struct Engine::Impl {
+  Impl(std::shared_ptr<const model::Qwen2Model> m, std::shared_ptr<const tok::Tokenizer> t,
+       const EngineOptions& o)
+      : model(std::move(m)), tokenizer(std::move(t)), opts(o) {}
+
+  std::shared_ptr<const model::Qwen2Model> model;
+  std::shared_ptr<const tok::Tokenizer> tokenizer;
+  EngineOptions opts;
+  std::unique_ptr<model::KvPool> pool;
+  std::unique_ptr<BlockManager> bm;
+  BlockHash base_seed;
+
+  // Command queue (any thread -> engine thread).
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> cmds;
+  bool stopping = false;
+  std::thread thread;
+  std::atomic<bool> alive{false};
+
+  // Engine-thread state.
+  std::unordered_map<std::string, std::unique_ptr<Group>> groups;
+  std::deque<Sequence*> waiting;
+  std::vector<Sequence*> running;
+  std::vector<Slot> slots;
+  std::int64_t arrivals = 0, load_counter = 0;
+  std::optional<PauseMode> paused;
+  EngineStats st;
+
+  // Snapshots for other threads.
+  mutable std::mutex snap_mu;
+  std::vector<AdapterInfo> snap_adapters;
+  EngineStats snap_stats;
+  std::atomic<bool> snap_paused{false};
+
+  void post(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      cmds.push_back(std::move(f));
+    }
+    cv.notify_one();
+  }
+
+  // ---- snapshots -------------------------------------------------------------------------
+  void publish_adapters() {
+    std::vector<std::pair<std::int64_t, AdapterInfo>> v;
+    for (const auto& s : slots)
+      if (s.adapter && !s.draining)
+        v.push_back({s.order, {s.adapter->name, s.adapter->path, s.adapter->sha256,
+                               s.adapter->weights->config().rank}});
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::lock_guard<std::mutex> lk(snap_mu);
+    snap_adapters.clear();
+    for (auto& [o, a] : v) snap_adapters.push_back(std::move(a));
+  }
+
+  void publish_stats() {
+    st.running = static_cast<std::int64_t>(running.size());
+    st.waiting = static_cast<std::int64_t>(waiting.size());
+    st.kv_blocks_total = bm->n_blocks();
+    st.kv_blocks_used = bm->n_used();
+    st.kv_blocks_cached = bm->n_cached();
+    std::lock_guard<std::mutex> lk(snap_mu);
+    snap_stats = st;
+  }
+
+  int find_slot(const std::string& name, bool include_draining) const {
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (slots[i].adapter && slots[i].adapter->name == name && (include_draining || !slots[i].draining))
+        return static_cast<int>(i);
+    return -1;
+  }
+
+  // ---- blocks ----------------------------------------------------------------------------
+  bool ensure_blocks(Sequence* s, std::int64_t upto) {
+    const auto bs = bm->block_size();
+    while (static_cast<std::int64_t>(s->blocks.size()) * bs < upto) {
+      auto b = bm->allocate();
+      if (!b) return false;
+      s->blocks.push_back(*b);
+    }
+    return true;
+  }
+
+  void release_blocks(Sequence* s) {
+    for (auto b : s->blocks) bm->release(b);
+    s->blocks.clear();
+    s->hashes.clear();
+  }
+
+  // Registers every full block of computed tokens not registered yet.
+  void register_blocks(Sequence* s) {
+    const auto bs = bm->block_size();
+    while (static_cast<std::int64_t>(s->hashes.size() + 1) * bs <= s->n_computed) {
+      const auto i = static_cast<std::int64_t>(s->hashes.size());
+      const BlockHash& prev = s->hashes.empty() ? s->g->seed : s->hashes.back();
+      auto h = chain_hash(prev, s->tokens.data() + i * bs, static_cast<std::size_t>(bs));
+      bm->register_full(s->blocks[static_cast<std::size_t>(i)], h);
+      s->hashes.push_back(h);
+    }
+  }
+
+  // Prefix-cache lookup for a sequence with no KV: full blocks of tokens[0, T-1).
+  void lookup_prefix(Sequence* s) {
+    const auto bs = bm->block_size();
+    const auto T = static_cast<std::int64_t>(s->tokens.size());
+    BlockHash prev = s->g->seed;
+    while ((static_cast<std::int64_t>(s->blocks.size()) + 1) * bs <= T - 1) {
+      const auto i = static_cast<std::int64_t>(s->blocks.size());
+      auto h = chain_hash(prev, s->tokens.data() + i * bs, static_cast<std::size_t>(bs));
+      auto b = bm->lookup(h);
+      if (!b) break;
+      s->blocks.push_back(*b);
+      s->hashes.push_back(h);
+      prev = h;
+    }
+    s->n_computed = static_cast<std::int64_t>(s->blocks.size()) * bs;
+  }
+
+  void preempt(Sequence* s) {
+    release_blocks(s);
+    s->n_computed = 0;
+    s->in_running = false;
+    running.erase(std::remove(running.begin(), running.end(), s), running.end());
+    waiting.push_front(s);
+    ++st.preemptions;
+  }
+
+  // ---- requests --------------------------------------------------------------------------
+  void deliver(Group* g, bool done) {
+    if (g->pending.empty() && !done) return;
+    g->usage.completion_tokens = 0;
+    for (const auto& s : g->seqs) g->usage.completion_tokens += s->n_out;
+    auto deltas = std::move(g->pending);
+    g->pending.clear();
+    if (g->spec.sink) g->spec.sink->on_output(std::move(deltas), g->usage, done);
+  }
+
+  ChoiceDelta& delta_of(Group* g, int index) {
+    for (auto& d : g->pending)
+      if (d.index == index) return d;
+    g->pending.push_back(ChoiceDelta{});
+    g->pending.back().index = index;
+    return g->pending.back();
+  }
+
+  void finish_seq(Sequence* s, FinishReason why, const std::string& error = {}) {
+    if (s->finish != FinishReason::kNone) return;
+    s->finish = why;
+    Group* g = s->g;
+    auto& d = delta_of(g, s->index);
+    if (s->text_sent < s->text.size()) d.text += (s->text.substr(s->text_sent));
+    s->text_sent = s->text.size();
+    d.finish = why;
+    d.error = error;
+    release_blocks(s);
+    if (s->in_running) {
+      running.erase(std::remove(running.begin(), running.end(), s), running.end());
+      s->in_running = false;
+    }
+    waiting.erase(std::remove(waiting.begin(), waiting.end(), s), waiting.end());
+    ++g->n_done;
+  }
+
+  // Finishes a group if all its sequences are done; returns true if the group was erased.
+  bool maybe_complete(Group* g) {
+    // Choices not forked yet do not exist; abort_group accounts for them.
+    if (!g->forked && g->spec.params.n > 1) return false;
+    if (g->n_done < g->spec.params.n) return false;
+    bool aborted = false;
+    for (const auto& s : g->seqs) aborted |= s->finish == FinishReason::kAbort;
+    if (aborted) ++st.requests_aborted;
+    else ++st.requests_finished;
+    if (g->slot >= 0) {
+      Slot& sl = slots[static_cast<std::size_t>(g->slot)];
+      if (--sl.inflight == 0 && sl.draining) {
+        sl.adapter.reset();
+        sl.draining = false;
+      }
+    }
+    LS_LOG_DEBUG("engine", "{} complete", g->spec.id);
+    deliver(g, true);
+    groups.erase(g->spec.id);
+    return true;
+  }
+
+  void abort_group(Group* g, FinishReason why, const std::string& error = {}) {
+    // Children not yet forked never existed: report every choice as ended.
+    if (!g->forked && g->spec.params.n > 1) {
+      for (int j = 1; j < g->spec.params.n; ++j) {
+        auto& d = delta_of(g, j);
+        d.finish = why;
+        d.error = error;
+      }
+      g->n_done += g->spec.params.n - 1;
+      g->forked = true;
+    }
+    for (auto& s : g->seqs) finish_seq(s.get(), why, error);
+    maybe_complete(g);
+  }
+
+  void add_request(RequestSpec spec) {
+    auto g = std::make_unique<Group>();
+    g->t_submit = now_seconds();
+    if (spec.model != opts.served_model_name) {
+      g->slot = find_slot(spec.model, false);
+      if (g->slot < 0) {
+        ChoiceDelta d;
+        d.finish = FinishReason::kError;
+        d.error = fmt::format("The model `{}` does not exist.", spec.model);
+        if (spec.sink) spec.sink->on_output({d}, {}, true);
+        return;
+      }
+      Slot& sl = slots[static_cast<std::size_t>(g->slot)];
+      ++sl.inflight;
+      g->seed = sl.seed;
+    } else {
+      g->seed = base_seed;
+    }
+    for (const auto& s : spec.params.stop) g->max_stop_len = std::max(g->max_stop_len, s.size());
+    g->usage.prompt_tokens = static_cast<std::int64_t>(spec.prompt.size());
+    ++st.requests_total;
+    st.prompt_tokens_total += g->usage.prompt_tokens;
+    ++st.requests_by_model[spec.model];
+    g->spec = std::move(spec);
+    auto s = make_seq(g.get(), 0);
+    s->tokens = g->spec.prompt;
+    waiting.push_back(s);
+    Group* raw = g.get();
+    if (groups.count(raw->spec.id)) raw->spec.id += "-" + std::to_string(arrivals);
+    groups.emplace(raw->spec.id, std::move(g));
+  }
+
+  Sequence* make_seq(Group* g, int index) {
+    auto s = std::make_unique<Sequence>();
+    s->g = g;
+    s->index = index;
+    s->n_prompt = static_cast<std::int64_t>(g->spec.prompt.size());
+    s->arrival = ++arrivals;
+    const auto& p = g->spec.params;
+    if (p.seed) s->rng.seed(*p.seed + static_cast<std::uint64_t>(index));
+    else s->rng.seed(std::random_device{}() ^ (static_cast<std::uint64_t>(s->arrival) << 32));
+    s->dec = std::make_unique<tok::IncrementalDecoder>(*tokenizer, p.skip_special_tokens);
+    Sequence* raw = s.get();
+    g->seqs.push_back(std::move(s));
+    return raw;
+  }
+
+  // Forks the n-1 siblings of a leader that just computed its whole prompt.
+  void fork(Sequence* leader) {
+    Group* g = leader->g;
+    g->forked = true;
+    const auto bs = bm->block_size();
+    const std::int64_t full = leader->n_prompt / bs;
+    const std::int64_t part = leader->n_prompt % bs;
+    for (int j = 1; j < g->spec.params.n; ++j) {
+      Sequence* s = make_seq(g, j);
+      s->arrival = leader->arrival;
+      s->tokens = leader->tokens;
+      bool ok = true;
+      for (std::int64_t i = 0; i < full; ++i) {
+        bm->ref(leader->blocks[static_cast<std::size_t>(i)]);
+        s->blocks.push_back(leader->blocks[static_cast<std::size_t>(i)]);
+      }
+      s->hashes.assign(leader->hashes.begin(),
+                       leader->hashes.begin() + std::min<std::size_t>(leader->hashes.size(), static_cast<std::size_t>(full)));
+      if (part > 0) {
+        auto b = bm->allocate();
+        if (b) {
+          copy_block_rows(leader->blocks[static_cast<std::size_t>(full)], *b, part);
+          s->blocks.push_back(*b);
+        } else {
+          ok = false;
+        }
+      }
+      if (ok) {
+        s->n_computed = leader->n_prompt;
+        s->in_running = true;
+        running.push_back(s);
+      } else {
+        release_blocks(s);
+        s->n_computed = 0;
+        waiting.push_front(s);
+      }
+      st.fork_shared_tokens += ok ? leader->n_prompt : full * bs;
+    }
+  }
+
+  void copy_block_rows(std::int32_t src, std::int32_t dst, std::int64_t rows) {
+    const auto bs = bm->block_size();
+    for (std::size_t l = 0; l < pool->k.size(); ++l) {
+      pool->k[l].narrow(0, dst * bs, rows).copy_(pool->k[l].narrow(0, src * bs, rows));
+      pool->v[l].narrow(0, dst * bs, rows).copy_(pool->v[l].narrow(0, src * bs, rows));
+    }
+  }
+
+  // ---- scheduling ------------------------------------------------------------------------
+  std::vector<Sched> schedule() {
+    std::vector<Sched> out;
+    if (paused && *paused == PauseMode::kKeep) return out;
+    std::int64_t budget = opts.max_num_batched_tokens;
+    std::sort(running.begin(), running.end(),
+              [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; });
+    std::vector<Sequence*> order = running;
+    std::vector<Sequence*> scheduled;
+    for (std::size_t i = 0; i < order.size() && budget > 0; ++i) {
+      Sequence* s = order[i];
+      if (!s->in_running) continue;  // preempted below
+      const auto T = static_cast<std::int64_t>(s->tokens.size());
+      const std::int64_t n = std::min(T - s->n_computed, budget);
+      if (n <= 0) continue;
+      bool self_preempted = false;
+      while (!ensure_blocks(s, s->n_computed + n)) {
+        // Preempt the newest running sequence not already scheduled.
+        Sequence* victim = nullptr;
+        for (auto it = order.rbegin(); it != order.rend(); ++it)
+          if ((*it)->in_running && std::find(scheduled.begin(), scheduled.end(), *it) == scheduled.end()) {
+            victim = *it;
+            break;
+          }
+        if (victim == nullptr || victim == s) {
+          preempt(s);
+          self_preempted = true;
+          break;
+        }
+        preempt(victim);
+      }
+      if (self_preempted) continue;
+      out.push_back({s, n});
+      scheduled.push_back(s);
+      budget -= n;
+    }
+    // Admission.
+    const bool admit = !(paused && *paused == PauseMode::kWait);
+    const std::int64_t watermark = std::max<std::int64_t>(1, bm->n_blocks() / 100);
+    while (admit && !waiting.empty() && budget > 0 &&
+           static_cast<std::int64_t>(running.size()) < opts.max_num_seqs) {
+      Sequence* s = waiting.front();
+      const bool fresh_leader = s->index == 0 && !s->g->cached_counted;
+      if (s->blocks.empty()) lookup_prefix(s);
+      const auto bs = bm->block_size();
+      const auto T = static_cast<std::int64_t>(s->tokens.size());
+      const std::int64_t need = (T + bs - 1) / bs - static_cast<std::int64_t>(s->blocks.size());
+      const std::int64_t reserve = running.empty() ? 0 : watermark;
+      if (bm->n_available() < need + reserve) {
+        release_blocks(s);
+        s->n_computed = 0;
+        break;
+      }
+      waiting.pop_front();
+      if (fresh_leader) {
+        s->g->cached_counted = true;
+        s->g->usage.cached_prompt_tokens = s->n_computed;
+        st.prefix_cache_hit_tokens += s->n_computed;
+      }
+      const std::int64_t n = std::min(T - s->n_computed, budget);
+      LS_CHECK(ensure_blocks(s, s->n_computed + n), "admission reserved the blocks");
+      s->in_running = true;
+      running.push_back(s);
+      out.push_back({s, n});
+      budget -= n;
+    }
+    return out;
+  }
+
+  // ---- one step --------------------------------------------------------------------------
+  void step(const std::vector<Sched>& sched) {
+    const auto bs = bm->block_size();
+    const c10::Device dev = model->device();
+    std::vector<std::int64_t> toks, pos, slot_map;
+    std::vector<int> row_slot;
+    model::AttnMeta meta;
+    model::Batch batch;
+    bool all_decode = true;
+    std::int64_t lmax = 0;
+    for (const auto& sc : sched) {
+      Sequence* s = sc.seq;
+      model::Segment seg{static_cast<std::int64_t>(toks.size()), sc.n, s->n_computed};
+      for (std::int64_t j = 0; j < sc.n; ++j) {
+        const std::int64_t p = s->n_computed + j;
+        toks.push_back(s->tokens[static_cast<std::size_t>(p)]);
+        pos.push_back(p);
+        slot_map.push_back(static_cast<std::int64_t>(s->blocks[static_cast<std::size_t>(p / bs)]) * bs + p % bs);
+        row_slot.push_back(s->g->slot);
+      }
+      batch.segs.push_back(seg);
+      if (sc.n != 1) all_decode = false;
+      lmax = std::max(lmax, s->n_computed + sc.n);
+    }
+    // Context slots (every position of the sequence up to the new tokens).
+    std::vector<std::vector<std::int64_t>> ctx(sched.size());
+    for (std::size_t i = 0; i < sched.size(); ++i) {
+      Sequence* s = sched[i].seq;
+      const std::int64_t L = s->n_computed + sched[i].n;
+      ctx[i].reserve(static_cast<std::size_t>(L));
+      for (std::int64_t p = 0; p < L; ++p)
+        ctx[i].push_back(static_cast<std::int64_t>(s->blocks[static_cast<std::size_t>(p / bs)]) * bs + p % bs);
+    }
+    auto lopt = at::TensorOptions().dtype(at::kLong);
+    batch.tokens = at::tensor(toks, lopt).to(dev);
+    batch.positions = at::tensor(pos, lopt).to(dev);
+    meta.slot_mapping = at::tensor(slot_map, lopt).to(dev);
+    if (all_decode && sched.size() > 1) {
+      const auto B = static_cast<std::int64_t>(sched.size());
+      std::vector<std::int64_t> flat(static_cast<std::size_t>(B * lmax), 0);
+      std::vector<float> bias(static_cast<std::size_t>(B * lmax), -std::numeric_limits<float>::infinity());
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::size_t p = 0; p < ctx[static_cast<std::size_t>(b)].size(); ++p) {
+          flat[static_cast<std::size_t>(b * lmax) + p] = ctx[static_cast<std::size_t>(b)][p];
+          bias[static_cast<std::size_t>(b * lmax) + p] = 0;
+        }
+      meta.decode_slots = at::tensor(flat, lopt).view({B, lmax}).to(dev);
+      meta.decode_bias = at::tensor(bias, at::TensorOptions().dtype(at::kFloat)).view({B, lmax}).to(dev);
+    } else {
+      for (std::size_t i = 0; i < sched.size(); ++i)
+        meta.context_slots.push_back(sched[i].seq->n_computed > 0 ? at::tensor(ctx[i], lopt).to(dev) : at::Tensor());
+    }
+    std::vector<const model::LoraAdapter*> ads;
+    for (const auto& sl : slots) ads.push_back(sl.adapter ? sl.adapter->weights.get() : nullptr);
+    auto lora = model::LoraBatch::from_row_slots(ads, row_slot, dev);
+
+    at::NoGradGuard ng;
+    auto hidden = model->forward(batch, &lora, pool.get(), &meta);
+
+    // Which rows produce a token.
+    std::vector<std::int64_t> rows;
+    std::vector<Sequence*> samplers;
+    for (std::size_t i = 0; i < sched.size(); ++i) {
+      Sequence* s = sched[i].seq;
+      st.prefill_tokens_computed +=
+          std::clamp<std::int64_t>(s->n_prompt - s->n_computed, 0, sched[i].n);
+      s->n_computed += sched[i].n;
+      register_blocks(s);
+      if (s->n_computed == static_cast<std::int64_t>(s->tokens.size())) {
+        rows.push_back(batch.segs[i].begin + batch.segs[i].len - 1);
+        samplers.push_back(s);
+      }
+    }
+    if (samplers.empty()) return;
+    // Forks share their leader's logits row.
+    std::vector<std::int64_t> logit_rows;
+    std::vector<Sequence*> targets;
+    for (std::size_t i = 0; i < samplers.size(); ++i) {
+      Sequence* s = samplers[i];
+      logit_rows.push_back(static_cast<std::int64_t>(i));
+      targets.push_back(s);
+      if (s->index == 0 && !s->g->forked && s->g->spec.params.n > 1 &&
+          s->n_computed == s->n_prompt) {
+        const auto before = s->g->seqs.size();
+        fork(s);
+        for (std::size_t k = before; k < s->g->seqs.size(); ++k) {
+          logit_rows.push_back(static_cast<std::int64_t>(i));
+          targets.push_back(s->g->seqs[k].get());
+        }
+      }
+    }
+    auto logits = model->logits(hidden.index_select(0, at::tensor(rows, lopt).to(dev)));
+    if (logit_rows.size() != samplers.size())
+      logits = logits.index_select(0, at::tensor(logit_rows, lopt).to(dev));
+    std::vector<SampleRow> srows;
+    for (Sequence* s : targets) srows.push_back({&s->g->spec.params, &s->rng, &s->tokens});
+    auto outs = sample_batch(logits, srows);
+    const double now = now_seconds();
+    for (std::size_t i = 0; i < targets.size(); ++i) append_token(targets[i], std::move(outs[i]), now);
+  }
+
+  void append_token(Sequence* s, TokenOut t, double now) {
+    Group* g = s->g;
+    const auto& p = g->spec.params;
+    // A sibling forked without KV (no free block) is recomputed from the prompt: it keeps the
+    // token sampled here and continues after its recompute.
+    s->tokens.push_back(t.id);
+    ++s->n_out;
+    ++st.generated_tokens_total;
+    if (!g->first_token) {
+      g->first_token = true;
+      if (st.ttft_s.size() >= kLatencySamples) st.ttft_s.erase(st.ttft_s.begin());
+      st.ttft_s.push_back(now - g->t_submit);
+      st.ttft_hist.observe(now - g->t_submit);
+    } else if (s->t_last > 0) {
+      if (st.itl_s.size() >= kLatencySamples) st.itl_s.erase(st.itl_s.begin());
+      st.itl_s.push_back(now - s->t_last);
+      st.itl_hist.observe(now - s->t_last);
+    }
+    s->t_last = now;
+    if (p.logprobs && tokenizer->is_valid_id(t.id))
+      t.text = tokenizer->decode(std::span<const std::int32_t>(&t.id, 1), false);
+    // Ids past the tokenizer's vocabulary (padding rows of the embedding) carry no text.
+    std::string piece = tokenizer->is_valid_id(t.id) ? s->dec->push(t.id) : std::string();
+    const std::size_t old_len = s->text.size();
+    s->text += piece;
+    FinishReason why = FinishReason::kNone;
+    const bool is_stop_id =
+        std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), t.id) != p.stop_token_ids.end() ||
+        (!p.ignore_eos && std::find(opts.eos_ids.begin(), opts.eos_ids.end(), t.id) != opts.eos_ids.end());
+    if (is_stop_id) why = FinishReason::kStop;
+    if (why == FinishReason::kNone && !p.stop.empty()) {
+      const std::size_t from = old_len >= g->max_stop_len ? old_len - g->max_stop_len + 1 : 0;
+      std::size_t best = std::string::npos;
+      for (const auto& stop : p.stop) {
+        if (stop.empty()) continue;
+        auto at_pos = s->text.find(stop, from);
+        if (at_pos != std::string::npos) best = std::min(best, at_pos);
+      }
+      if (best != std::string::npos) {
+        s->text.resize(best);
+        why = FinishReason::kStop;
+      }
+    }
+    if (why == FinishReason::kNone && s->n_out >= p.max_tokens) why = FinishReason::kLength;
+    if (why == FinishReason::kNone && static_cast<std::int64_t>(s->tokens.size()) >= opts.max_model_len)
+      why = FinishReason::kLength;
+    auto& d = delta_of(g, s->index);
+    d.tokens.push_back(std::move(t));
+    if (why == FinishReason::kNone) {
+      // Hold back text that could still become a stop string.
+      const std::size_t hold = g->max_stop_len > 0 ? g->max_stop_len - 1 : 0;
+      const std::size_t upto = s->text.size() > hold ? s->text.size() - hold : 0;
+      if (upto > s->text_sent) {
+        d.text += (s->text.substr(s->text_sent, upto - s->text_sent));
+        s->text_sent = upto;
+      }
+    } else {
+      if (why != FinishReason::kStop || is_stop_id) s->text += s->dec->flush();
+      finish_seq(s, why);
+      maybe_complete(g);
+    }
+  }
+
+  // ---- the loop --------------------------------------------------------------------------
+  bool runnable() const {
+    if (paused && *paused == PauseMode::kKeep) return false;
+    if (!running.empty()) return true;
+    return !waiting.empty() && !(paused && *paused == PauseMode::kWait);
+  }
+
+  void loop() {
+    for (;;) {
+      std::deque<std::function<void()>> batch;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stopping || !cmds.empty() || runnable(); });
+        if (stopping) break;
+        batch.swap(cmds);
+      }
+      for (auto& f : batch) f();
+      if (!runnable()) {
+        publish_stats();
+        continue;
+      }
+      auto sched = schedule();
+      if (!sched.empty()) {
+        try {
+          step(sched);
+        } catch (const std::exception& e) {
+          LS_LOG_ERROR("engine", "step failed, failing its {} sequences: {}", sched.size(), e.what());
+          for (const auto& sc : sched)
+            if (sc.seq->finish == FinishReason::kNone && groups.count(sc.seq->g->spec.id))
+              abort_group(sc.seq->g, FinishReason::kError, std::string("engine error: ") + e.what());
+        }
+        ++st.steps;
+      }
+      // Deliver outputs of every group touched in this step.
+      for (auto& [id, g] : groups) deliver(g.get(), false);
+      publish_stats();
+    }
+    // Shutdown: abort everything still queued or running.
+    std::vector<Group*> all;
+    for (auto& [id, g] : groups) all.push_back(g.get());
+    for (Group* g : all) abort_group(g, FinishReason::kAbort);
+    alive = false;
+  }
+};
+
+}  // namespace lorasync::engine
