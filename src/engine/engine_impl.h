@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include "core/model/qwen2_model.h"
 #include "core/tokenizer/tokenizer.h"
 #include "engine/block_manager.h"
@@ -202,6 +203,18 @@ struct Engine::Impl {
       prev = h;
     }
     s->n_computed = static_cast<std::int64_t>(s->blocks.size()) * bs;
+  }
+
+  // Hashes of the full prompt blocks `s` has still to compute (those a later prefix-cache lookup
+  // would find once registered).
+  void add_pending_blocks(Sequence* s, std::unordered_set<BlockHash, BlockHashHasher>& out) const {
+    const auto bs = bm->block_size();
+    const auto limit = std::min<std::int64_t>(s->n_prompt, static_cast<std::int64_t>(s->tokens.size()) - 1) / bs;
+    BlockHash prev = s->hashes.empty() ? s->g->seed : s->hashes.back();
+    for (auto i = static_cast<std::int64_t>(s->hashes.size()); i < limit; ++i) {
+      prev = chain_hash(prev, s->tokens.data() + i * bs, static_cast<std::size_t>(bs));
+      out.insert(prev);
+    }
   }
 
   void preempt(Sequence* s) {
@@ -417,24 +430,40 @@ struct Engine::Impl {
       scheduled.push_back(s);
       budget -= n;
     }
-    // Admission.
+    // Admission. A waiting sequence whose next uncached prompt block is being computed right now
+    // by a running (or just admitted) sequence is skipped for this step: once that block is
+    // registered it comes from the prefix cache (the G rollouts of a group sent as n = 1).
     const bool admit = !(paused && *paused == PauseMode::kWait);
     const std::int64_t watermark = std::max<std::int64_t>(1, bm->n_blocks() / 100);
-    while (admit && !waiting.empty() && budget > 0 &&
+    std::unordered_set<BlockHash, BlockHashHasher> pending;
+    if (opts.enable_prefix_caching && admit && !waiting.empty())
+      for (Sequence* r : running) add_pending_blocks(r, pending);
+    std::size_t wi = 0;
+    while (admit && wi < waiting.size() && budget > 0 &&
            static_cast<std::int64_t>(running.size()) < opts.max_num_seqs) {
-      Sequence* s = waiting.front();
+      Sequence* s = waiting[wi];
       const bool fresh_leader = s->index == 0 && !s->g->cached_counted;
       if (s->blocks.empty()) lookup_prefix(s);
       const auto bs = bm->block_size();
       const auto T = static_cast<std::int64_t>(s->tokens.size());
-      const std::int64_t need = (T + bs - 1) / bs - static_cast<std::int64_t>(s->blocks.size());
+      const auto nb = static_cast<std::int64_t>(s->blocks.size());
+      if (!pending.empty() && (nb + 1) * bs <= T - 1) {
+        const BlockHash& prev = s->hashes.empty() ? s->g->seed : s->hashes.back();
+        if (pending.count(chain_hash(prev, s->tokens.data() + nb * bs, static_cast<std::size_t>(bs)))) {
+          release_blocks(s);
+          s->n_computed = 0;
+          ++wi;
+          continue;
+        }
+      }
+      const std::int64_t need = (T + bs - 1) / bs - nb;
       const std::int64_t reserve = running.empty() ? 0 : watermark;
       if (bm->n_available() < need + reserve) {
         release_blocks(s);
         s->n_computed = 0;
         break;
       }
-      waiting.pop_front();
+      waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(wi));
       if (fresh_leader) {
         s->g->cached_counted = true;
         s->g->usage.cached_prompt_tokens = s->n_computed;
@@ -446,6 +475,7 @@ struct Engine::Impl {
       running.push_back(s);
       out.push_back({s, n});
       budget -= n;
+      if (opts.enable_prefix_caching) add_pending_blocks(s, pending);
     }
     return out;
   }

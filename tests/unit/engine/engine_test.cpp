@@ -248,6 +248,30 @@ TEST(Engine, PrefixCacheKeyedByAdapterAndGroupPrefillsOnce) {
   EXPECT_EQ(m3->choice(0).ids, grp->choice(3).ids);
 }
 
+TEST(Engine, ConcurrentSingleRolloutsOfOnePromptShareItsPrefill) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  SamplingParams p;
+  p.max_tokens = 3;
+  p.temperature = 1.0;
+  p.ignore_eos = true;
+  auto prompt = prompt_of(31, 135);  // 8 full blocks + 7 tokens
+  e.pause(PauseMode::kKeep);         // all 8 arrive before the first step
+  std::vector<std::shared_ptr<Collector>> cs;
+  for (int g = 0; g < 8; ++g) {
+    p.seed = static_cast<std::uint64_t>(g);
+    cs.push_back(run(e, "base", prompt, p, "g" + std::to_string(g)));
+  }
+  e.resume();
+  std::int64_t cached = 0;
+  for (auto& c : cs) {
+    c->wait();
+    cached += c->usage().cached_prompt_tokens;
+  }
+  // The first computes 135 prompt tokens; the 7 others reuse its 8 full blocks.
+  EXPECT_EQ(cached, 7 * 128);
+  EXPECT_LE(e.stats().prefill_tokens_computed, 135 + 7 * 7);
+}
+
 TEST(Engine, PreemptionUnderATinyKvPoolLosesNothing) {
   auto opts = small_opts();
   opts.max_model_len = 160;
