@@ -404,16 +404,13 @@ Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter
   }
   while (!state.all_done()) {
     Output o;
-    bool got = false;
     while (ch->pop(o)) {
-      got = true;
       std::string events = state.add(o.prompt_index, o.deltas, o.usage, o.done);
       if (pc.stream && client_ok && !events.empty()) client_ok = co_await w.write(events);
     }
     if (state.all_done()) break;
     // After a client disconnect the aborts are on their way: keep draining until every
     // sub-request reports done, so nothing is left in the engine.
-    (void)got;
     co_await ch->waker.wait();
   }
   w.client_gone().unsubscribe(sub);

@@ -84,7 +84,7 @@ std::vector<std::int32_t> id_list(const json& a, const std::string& key) {
   return out;
 }
 
-void parse_common(const json& j, ParsedCompletion& r, const tok::Tokenizer& tokenizer) {
+void parse_common(const json& j, ParsedCompletion& r) {
   const json* m = field(j, "model");
   if (!m) bad("model", "model is required");
   if (!m->is_string()) bad("model", fmt::format("model must be a string, got {}", shown(*m)));
@@ -150,7 +150,6 @@ void parse_common(const json& j, ParsedCompletion& r, const tok::Tokenizer& toke
     if (!so->is_object()) bad("stream_options", "stream_options must be an object");
     r.include_usage = get_bool(*so, "include_usage", false);
   }
-  (void)tokenizer;
 }
 
 }  // namespace
@@ -158,7 +157,7 @@ void parse_common(const json& j, ParsedCompletion& r, const tok::Tokenizer& toke
 ParsedCompletion parse_completion(std::string_view body, const tok::Tokenizer& tokenizer) {
   json j = parse_object(body);
   ParsedCompletion r;
-  parse_common(j, r, tokenizer);
+  parse_common(j, r);
   const json* pr = field(j, "prompt");
   if (!pr) bad("prompt", "prompt is required");
   tok::EncodeOptions eo;
@@ -198,7 +197,7 @@ ParsedCompletion parse_chat(std::string_view body, const tok::Tokenizer& tokeniz
   json j = parse_object(body);
   ParsedCompletion r;
   r.chat = true;
-  parse_common(j, r, tokenizer);
+  parse_common(j, r);
   const json* ms = field(j, "messages");
   if (!ms || !ms->is_array() || ms->empty()) bad("messages", "messages must be a non-empty list");
   std::vector<tok::ChatMessage> msgs;

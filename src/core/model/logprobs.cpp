@@ -13,13 +13,14 @@ void check_token_ids(const std::vector<std::int64_t>& ids, std::int64_t vocab, c
       throw_invalid("{}[{}] = {} is outside the vocabulary [0, {})", what, i, ids[i], vocab);
 }
 
-std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
-                                                    const LoraAdapter* adapter,
-                                                    const std::vector<LogprobItem>& items,
-                                                    double temperature, std::int64_t chunk) {
+PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapter,
+                               const std::vector<LogprobItem>& items, double temperature,
+                               std::int64_t chunk, bool with_entropy) {
   if (!(temperature > 0)) throw_invalid("temperature must be positive, got {}", temperature);
   std::vector<std::vector<std::int64_t>> seqs;
   std::vector<std::int64_t> pred_rows, targets;
+  PackedLogprobs out;
+  out.offsets.push_back(0);
   std::int64_t offset = 0;
   for (const auto& it : items) {
     if (it.prompt.empty()) throw_invalid("a logprob item needs at least one prompt token");
@@ -33,32 +34,51 @@ std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
       targets.push_back(it.completion[t]);
     }
     offset += static_cast<std::int64_t>(s.size());
+    out.offsets.push_back(out.offsets.back() + static_cast<std::int64_t>(it.completion.size()));
     seqs.push_back(std::move(s));
   }
-  std::vector<std::vector<float>> out(items.size());
-  if (pred_rows.empty()) return out;
-  auto batch = make_batch(seqs, {}, model.device());
+  const auto dev = model.device();
+  const auto acc = model.dtype() == at::kDouble ? at::kDouble : at::kFloat;
+  if (pred_rows.empty()) {
+    out.logprobs = at::zeros({0}, at::TensorOptions().dtype(acc).device(dev));
+    out.entropy = out.logprobs;
+    return out;
+  }
+  auto batch = make_batch(seqs, {}, dev);
   auto lora = LoraBatch::all(adapter);
-  at::NoGradGuard no_grad;
   auto hidden = model.forward(batch, &lora);
-  auto opts = at::TensorOptions().dtype(at::kLong).device(model.device());
-  auto rows = at::tensor(pred_rows, at::TensorOptions().dtype(at::kLong)).to(model.device());
-  auto tgt = at::tensor(targets, at::TensorOptions().dtype(at::kLong)).to(model.device());
-  (void)opts;
-  std::vector<at::Tensor> parts;
+  auto lopt = at::TensorOptions().dtype(at::kLong);
+  auto rows = at::tensor(pred_rows, lopt).to(dev);
+  auto tgt = at::tensor(targets, lopt).to(dev);
+  std::vector<at::Tensor> lps, ents;
   const auto N = rows.size(0);
   for (std::int64_t s = 0; s < N; s += chunk) {
     const auto n = std::min(chunk, N - s);
-    auto h = hidden.index_select(0, rows.narrow(0, s, n));
-    auto logits = model.logits(h) / temperature;  // fp32 [n, V]
-    auto lp = at::log_softmax(logits, -1);
-    parts.push_back(lp.gather(1, tgt.narrow(0, s, n).unsqueeze(1)).squeeze(1));
+    auto z = model.logits(hidden.index_select(0, rows.narrow(0, s, n))) / temperature;  // [n, V]
+    auto logp = at::log_softmax(z, -1);
+    lps.push_back(logp.gather(1, tgt.narrow(0, s, n).unsqueeze(1)).squeeze(1));
+    if (with_entropy) {
+      at::NoGradGuard ng;
+      auto ld = logp.detach();
+      ents.push_back(-(ld.exp() * ld).sum(-1));
+    }
   }
-  auto all = at::cat(parts).to(at::kCPU).contiguous();
+  out.logprobs = lps.size() == 1 ? lps[0] : at::cat(lps);
+  if (with_entropy) out.entropy = ents.size() == 1 ? ents[0] : at::cat(ents);
+  return out;
+}
+
+std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
+                                                    const LoraAdapter* adapter,
+                                                    const std::vector<LogprobItem>& items,
+                                                    double temperature, std::int64_t chunk) {
+  at::NoGradGuard no_grad;
+  auto packed = packed_logprobs(model, adapter, items, temperature, chunk);
+  auto all = packed.logprobs.to(at::kCPU).to(at::kFloat).contiguous();
   const float* p = all.data_ptr<float>();
-  std::size_t k = 0;
+  std::vector<std::vector<float>> out(items.size());
   for (std::size_t i = 0; i < items.size(); ++i)
-    for (std::size_t t = 0; t < items[i].completion.size(); ++t) out[i].push_back(p[k++]);
+    out[i].assign(p + packed.offsets[i], p + packed.offsets[i + 1]);
   return out;
 }
 

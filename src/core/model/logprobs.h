@@ -19,8 +19,21 @@ struct LogprobItem {
   std::vector<std::int64_t> completion;  // scored tokens
 };
 
-// One forward over all items packed into one flat batch (segments never attend to each other);
-// the LM head runs only at completion positions, in chunks of `chunk` rows.
+// Completion log-probs of items packed into one flat batch (a training row): segments never
+// attend to each other, positions restart per segment, and the LM head runs only at completion
+// positions, in chunks of `chunk` rows, logits converted to fp32 (fp64 for an fp64 model) before
+// temperature and log-softmax; the full [tokens, vocab] logits are never built. Differentiable
+// through the adapter (callers add a NoGradGuard when they only read).
+struct PackedLogprobs {
+  at::Tensor logprobs;                // [sum T_i]
+  at::Tensor entropy;                 // [sum T_i] entropy of softmax(z / T), no grad; only with_entropy
+  std::vector<std::int64_t> offsets;  // item i's tokens are [offsets[i], offsets[i+1])
+};
+PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapter,
+                               const std::vector<LogprobItem>& items, double temperature,
+                               std::int64_t chunk = 2048, bool with_entropy = false);
+
+// packed_logprobs without gradients, as plain numbers per item.
 std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
                                                     const LoraAdapter* adapter,
                                                     const std::vector<LogprobItem>& items,
