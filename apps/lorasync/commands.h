@@ -34,6 +34,11 @@ void register_grade(CLI::App& root, Registry& reg);
 void register_tokenize(CLI::App& root, Registry& reg);
 void register_train_tokenizer(CLI::App& root, Registry& reg);
 void register_proxy(CLI::App& root, Registry& reg);  // also the hidden stub-replica
+void register_train(CLI::App& root, Registry& reg);
+void register_eval(CLI::App& root, Registry& reg);
+void register_report(CLI::App& root, Registry& reg);
+void register_demo(CLI::App& root, Registry& reg);
+void register_make_demo_model(CLI::App& root, Registry& reg);
 
 // `lorasync bench <name>`; `bench` is the parent subcommand.
 void register_bench_gemm(CLI::App& bench, Registry& reg);

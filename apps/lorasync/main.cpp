@@ -29,6 +29,11 @@ int main(int argc, char** argv) {
   cli::register_tokenize(app, reg);
   cli::register_train_tokenizer(app, reg);
   cli::register_proxy(app, reg);
+  cli::register_train(app, reg);
+  cli::register_eval(app, reg);
+  cli::register_report(app, reg);
+  cli::register_demo(app, reg);
+  cli::register_make_demo_model(app, reg);
 
   CLI::App* bench = app.add_subcommand("bench", "benchmarks: JSON lines on stdout, table on stderr");
   bench->require_subcommand(1);
