@@ -25,6 +25,7 @@ std::vector<Binding> bindings(TrainConfig& c) {
       {"", "max_steps", &c.max_steps},
       {"model", "path", &c.model.path}, {"model", "served_name", &c.model.served_name},
       {"model", "device", &c.model.device}, {"model", "dtype", &c.model.dtype}, {"model", "attention", &c.model.attention},
+      {"model", "threads", &c.model.threads},
       {"lora", "rank", &c.lora.rank}, {"lora", "alpha", &c.lora.alpha}, {"lora", "dropout", &c.lora.dropout},
       {"lora", "target_modules", &c.lora.target_modules}, {"lora", "init_adapter", &c.lora.init_adapter},
       {"data", "train_file", &c.data.train_file}, {"data", "problem_key", &c.data.problem_key},
@@ -221,8 +222,23 @@ void TrainConfig::validate() const {
   if (optimizer.betas.size() != 2) throw_invalid("optimizer.betas must hold two numbers");
   if (sync.weight_sync_steps <= 0) throw_invalid("sync.weight_sync_steps must be positive");
   if (async.max_staleness < 0) throw_invalid("async.max_staleness must be >= 0");
-  if (generation.request_mode != "group" && generation.request_mode != "single")
-    throw_invalid("generation.request_mode must be group or single; got \"{}\"", generation.request_mode);
+  if (generation.request_mode != "group")
+    throw_invalid("generation.request_mode = \"{}\" is not supported yet; use \"group\" (one request with n = G)",
+                  generation.request_mode);
+  if (batching.mode != "count")
+    throw_invalid("batching.mode = \"{}\" is not supported yet; use \"count\"", batching.mode);
+  if (batching.activation_checkpointing)
+    throw_invalid("batching.activation_checkpointing = true is not supported yet; set it to false");
+  if (model.path.empty()) throw_invalid("model.path is required (a local Hugging Face directory)");
+  if (data.train_file.empty()) throw_invalid("data.train_file is required (JSONL with problem and answer fields)");
+  if (max_steps <= 0) throw_invalid("max_steps must be positive, got {}", max_steps);
+  if (batching.samples_per_step <= 0) throw_invalid("batching.samples_per_step must be positive");
+  if (async.max_inflight < grpo.num_generations)
+    throw_invalid("async.max_inflight ({}) must be at least grpo.num_generations ({})", async.max_inflight, grpo.num_generations);
+  if (async.queue_maxsize < grpo.num_generations)
+    throw_invalid("async.queue_maxsize ({}) must be at least grpo.num_generations ({})", async.queue_maxsize, grpo.num_generations);
+  if (checkpoint.save_steps <= 0) throw_invalid("checkpoint.save_steps must be positive");
+  if (generation.max_new_tokens <= 0) throw_invalid("generation.max_new_tokens must be positive");
 }
 
 std::string TrainConfig::to_toml() const {

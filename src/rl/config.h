@@ -18,6 +18,7 @@ struct TrainConfig {
   std::int64_t max_steps = 500;
   struct Model {
     std::string path, served_name, device = "cuda", dtype = "bf16", attention = "auto";
+    std::int64_t threads = 0;  // CPU compute threads; 0 = all cores (extension)
   } model;
   struct Lora {
     std::int64_t rank = 1;

@@ -1,0 +1,793 @@
+#include "rl/pipeline.h"
+
+#include <utility>  // before Asio's coroutine headers (Boost 1.74 + g++ 12)
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <limits>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "core/tokenizer/tokenizer.h"
+#include "http/client.h"
+#include "reward/reward_fn.h"
+#include "rl/advantages.h"
+#include "util/error.h"
+#include "util/log.h"
+
+namespace lorasync::rl {
+
+namespace asio = boost::asio;
+using json = nlohmann::json;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::uint64_t splitmix(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+double Group::mean_reward() const {
+  double s = 0;
+  std::int64_t n = 0;
+  for (const auto& m : members)
+    if (m.valid) s += m.reward, ++n;
+  return n ? s / static_cast<double>(n) : 0.0;
+}
+
+std::int64_t Group::tokens() const {
+  std::int64_t t = 0;
+  for (const auto& m : members) t += static_cast<std::int64_t>(m.ids.size());
+  return t;
+}
+
+std::vector<std::int64_t> epoch_permutation(std::int64_t n, std::int64_t seed, std::int64_t epoch, bool shuffle) {
+  std::vector<std::int64_t> p(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) p[static_cast<std::size_t>(i)] = i;
+  if (!shuffle) return p;
+  std::uint64_t state = splitmix(static_cast<std::uint64_t>(seed) * 0x100000001b3ull ^ splitmix(static_cast<std::uint64_t>(epoch)));
+  for (std::int64_t i = n - 1; i > 0; --i) {  // Fisher-Yates with our own generator: portable
+    state = splitmix(state);
+    const auto j = static_cast<std::int64_t>(state % static_cast<std::uint64_t>(i + 1));
+    std::swap(p[static_cast<std::size_t>(i)], p[static_cast<std::size_t>(j)]);
+  }
+  return p;
+}
+
+std::optional<std::int64_t> parse_version_name(const std::string& name, const std::string& prefix) {
+  const std::string head = prefix + "-v";
+  if (name.size() <= head.size() || name.compare(0, head.size(), head) != 0) return std::nullopt;
+  std::int64_t v = 0;
+  for (std::size_t i = head.size(); i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || v > (std::numeric_limits<std::int64_t>::max() / 10 - 9)) return std::nullopt;
+    v = v * 10 + (name[i] - '0');
+  }
+  if (name[head.size()] == '0') return std::nullopt;  // no leading zeros: one name per version
+  return v;
+}
+
+struct Pipeline::Impl {
+  PipelineOptions opt;
+  const Dataset& data;
+  const tok::Tokenizer& tokenizer;
+  std::shared_ptr<const reward::RewardFunction> reward;
+  EventSink sink;
+  AdvantageMode adv_mode;
+
+  mutable std::mutex mu;
+  std::condition_variable cv_trainer, cv_score, cv_space;
+  Cursor cursor;
+  bool dispatch_done = false;  // data.epochs reached
+  std::map<std::int64_t, VersionInfo> versions;
+  std::int64_t current = 0;
+  struct InFlight {
+    PromptRef prompt;
+    std::int64_t version = 0;
+    std::shared_ptr<http::CancelSignal> cancel;
+    bool stale = false;
+  };
+  std::map<std::uint64_t, InFlight> inflight;
+  std::uint64_t next_id = 1, next_seq = 1;
+  std::int64_t inflight_seqs = 0;
+  std::deque<Group> scoring;             // waiting for a worker
+  std::map<std::uint64_t, Group> active;  // being scored
+  std::map<std::pair<std::int64_t, std::uint64_t>, Group> queue;  // (sync index, seq)
+  std::int64_t queued_samples = 0;
+  std::map<std::string, std::int64_t> counters;
+  WindowStats window;
+  std::int64_t c = 0;  // samples trained since the last switch
+  double last_success = now_s();
+  std::optional<std::string> fatal;
+  bool stopping = false;
+  double admission_blocked_since = -1, score_blocked_since = -1;
+
+  asio::io_context ctx;
+  std::unique_ptr<http::Pool> pool;
+  std::thread rollout_thread;
+  std::vector<std::thread> workers;
+
+  Impl(PipelineOptions o, const Dataset& d, const tok::Tokenizer& t, std::shared_ptr<const reward::RewardFunction> r,
+       EventSink s)
+      : opt(std::move(o)), data(d), tokenizer(t), reward(std::move(r)), sink(std::move(s)),
+        adv_mode(parse_advantage_mode(opt.cfg.grpo.advantage)) {
+    for (const char* k : {"rollout/retry_total", "rollout/failed_total", "rollout/cancelled_stale_total",
+                          "rollout/abandoned_total", "rollout/reward_timeout_total", "rollout/invalid_response_total",
+                          "sample/dropped_stale_total"})
+      counters[k] = 0;
+  }
+
+  std::int64_t G() const { return opt.cfg.grpo.num_generations; }
+
+  std::int64_t staleness_locked(std::int64_t sync_index) const {
+    auto it = versions.find(current);
+    const std::int64_t kv = it == versions.end() ? 0 : it->second.sync_index;
+    return kv - sync_index;
+  }
+
+  void emit(const GroupEvent& e) {
+    if (sink) sink(e);
+  }
+
+  // A dropped, cancelled or failed prompt goes to the front of the dispatch order, or is abandoned.
+  void requeue_locked(const PromptRef& p, const Group* g, const char* why) {
+    (void)why;
+    if (opt.cfg.async.requeue_dropped && p.attempt < opt.cfg.async.max_prompt_attempts) {
+      cursor.redo.push_front({p.index, p.epoch, p.attempt + 1});
+      return;
+    }
+    ++counters["rollout/abandoned_total"];
+    GroupEvent e{"abandoned", p};
+    if (g) e.version = g->version, e.sync_index = g->sync_index;
+    emit(e);
+  }
+
+  std::optional<PromptRef> next_prompt_locked() {
+    if (!cursor.redo.empty()) {
+      PromptRef p = cursor.redo.front();
+      cursor.redo.pop_front();
+      return p;
+    }
+    if (dispatch_done) return std::nullopt;
+    const auto n = static_cast<std::int64_t>(data.problems.size());
+    if (cursor.position >= n) {
+      if (opt.cfg.data.epochs > 0 && cursor.epoch + 1 >= opt.cfg.data.epochs) {
+        dispatch_done = true;
+        return std::nullopt;
+      }
+      ++cursor.epoch;
+      cursor.position = 0;
+      cursor.permutation = epoch_permutation(n, opt.cfg.seed, cursor.epoch, opt.cfg.data.shuffle);
+    }
+    const std::int64_t pos = cursor.permutation[static_cast<std::size_t>(cursor.position++)];
+    return PromptRef{data.problems[static_cast<std::size_t>(pos)].index, cursor.epoch, 1};
+  }
+
+  std::int64_t scoring_samples_locked() const {
+    return static_cast<std::int64_t>(scoring.size() + active.size()) * G();
+  }
+
+  // Admission (trainer.md §1.6); accounts blocked time per reason.
+  std::optional<std::pair<std::uint64_t, InFlight>> try_admit_locked() {
+    const double t = now_s();
+    auto block = [&](double& since, double& sum, bool blocked) {
+      if (blocked && since < 0) since = t;
+      if (!blocked && since >= 0) sum += t - since, since = -1;
+    };
+    if (stopping || fatal || current == 0) return std::nullopt;
+    if (inflight_seqs + G() > opt.cfg.async.max_inflight) return std::nullopt;
+    const bool score_full = static_cast<std::int64_t>(scoring.size()) >= opt.cfg.async.score_queue_groups;
+    block(score_blocked_since, window.score_block_s, score_full);
+    if (score_full) return std::nullopt;
+    const std::int64_t S = opt.cfg.sync.weight_sync_steps * opt.cfg.batching.samples_per_step;
+    const std::int64_t ahead = queued_samples + scoring_samples_locked() + inflight_seqs;
+    const bool budget = c + ahead + G() > std::max<std::int64_t>(opt.cfg.async.max_staleness, 1) * S;
+    block(admission_blocked_since, window.admission_block_s, budget);
+    if (budget) return std::nullopt;
+    auto p = next_prompt_locked();
+    if (!p) return std::nullopt;
+    InFlight f{*p, current, std::make_shared<http::CancelSignal>(), false};
+    const std::uint64_t id = next_id++;
+    inflight.emplace(id, f);
+    inflight_seqs += G();
+    return std::make_pair(id, f);
+  }
+
+  const Problem& problem(std::int64_t index) const {
+    // problems are sorted by index (dataset order); indices may have gaps
+    auto it = std::lower_bound(data.problems.begin(), data.problems.end(), index,
+                               [](const Problem& p, std::int64_t i) { return p.index < i; });
+    LS_CHECK(it != data.problems.end() && it->index == index, "unknown prompt index");
+    return *it;
+  }
+
+  std::string request_body(const PromptRef& p, const std::string& model_name) const {
+    const Problem& pr = problem(p.index);
+    const auto& g = opt.cfg.generation;
+    json j;
+    j["model"] = model_name;
+    j["prompt"] = pr.prompt_ids;
+    j["n"] = G();
+    j["max_tokens"] = std::min<std::int64_t>(g.max_new_tokens, g.context_len - static_cast<std::int64_t>(pr.prompt_ids.size()));
+    j["temperature"] = g.temperature;
+    j["top_p"] = 1.0;
+    j["logprobs"] = 0;
+    j["return_token_ids"] = true;
+    j["stop_token_ids"] = opt.stop_ids;
+    if (g.seed_requests) {
+      std::uint64_t h = splitmix(static_cast<std::uint64_t>(opt.cfg.seed));
+      h = splitmix(h ^ static_cast<std::uint64_t>(p.epoch));
+      h = splitmix(h ^ static_cast<std::uint64_t>(p.index));
+      h = splitmix(h ^ static_cast<std::uint64_t>(p.attempt));
+      j["seed"] = static_cast<std::int64_t>(h & 0x7fffffffu);
+    }
+    return j.dump();
+  }
+
+  // Validates a 200 response (trainer.md §1.2-1.3); fills the group or returns the reason.
+  std::optional<std::string> parse_response(const std::string& body, Group& g) const {
+    json j = json::parse(body, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) return "body is not a JSON object";
+    std::string name;
+    std::optional<std::string> sha;
+    if (j.contains("lorasync") && j["lorasync"].is_object()) {
+      const auto& p = j["lorasync"];
+      if (!p.contains("adapter") || !p["adapter"].is_string()) return "provenance names no adapter";
+      name = p["adapter"].get<std::string>();
+      if (p.contains("adapter_sha256") && p["adapter_sha256"].is_string()) sha = p["adapter_sha256"].get<std::string>();
+    } else if (j.contains("model") && j["model"].is_string()) {
+      name = j["model"].get<std::string>();  // stock vLLM echoes the adapter name
+    } else {
+      return "no provenance";
+    }
+    auto v = parse_version_name(name, opt.prefix);
+    if (!v) return "provenance names '" + name + "', not a version of this run";
+    {
+      std::lock_guard lk(mu);
+      auto it = versions.find(*v);
+      if (it == versions.end()) return "provenance names unknown version '" + name + "'";
+      if (sha && !it->second.sha256.empty() && *sha != it->second.sha256) return "adapter_sha256 of '" + name + "' differs from its manifest";
+      g.version = *v;
+      g.sync_index = it->second.sync_index;
+    }
+    if (!j.contains("choices") || !j["choices"].is_array()) return "no choices";
+    const auto& ch = j["choices"];
+    if (static_cast<std::int64_t>(ch.size()) != G()) return "expected " + std::to_string(G()) + " choices, got " + std::to_string(ch.size());
+    g.members.assign(ch.size(), Member{});
+    for (const auto& c : ch) {
+      if (!c.is_object() || !c.contains("index") || !c["index"].is_number_integer()) return "choice without index";
+      const auto idx = c["index"].get<std::int64_t>();
+      if (idx < 0 || idx >= G()) return "choice index out of range";
+      Member& m = g.members[static_cast<std::size_t>(idx)];
+      if (!m.ids.empty()) return "duplicate choice index";
+      if (!c.contains("token_ids") || !c["token_ids"].is_array()) return "choice without token_ids";
+      for (const auto& t : c["token_ids"]) {
+        if (!t.is_number_integer()) return "non-integer token id";
+        const auto id = t.get<std::int64_t>();
+        if (id < 0 || id >= opt.vocab) return "token id " + std::to_string(id) + " outside the vocabulary";
+        m.ids.push_back(static_cast<std::int32_t>(id));
+      }
+      const json* lp = nullptr;
+      if (c.contains("logprobs") && c["logprobs"].is_object() && c["logprobs"].contains("token_logprobs"))
+        lp = &c["logprobs"]["token_logprobs"];
+      if (!lp || !lp->is_array()) return "choice without logprobs";
+      for (const auto& x : *lp) {
+        if (!x.is_number()) return "non-numeric logprob";
+        const double d = x.get<double>();
+        if (!std::isfinite(d) || d > 0) return "logprob " + std::to_string(d) + " is not finite or > 0";
+        m.logprobs.push_back(static_cast<float>(d));
+      }
+      if (m.ids.empty() || m.ids.size() != m.logprobs.size()) return "token_ids and logprobs differ in length or are empty";
+      m.finish = c.contains("finish_reason") && c["finish_reason"].is_string() ? c["finish_reason"].get<std::string>() : "";
+    }
+    return std::nullopt;
+  }
+
+  asio::awaitable<void> run_group(std::uint64_t id, InFlight f) {
+    const auto& a = opt.cfg.async;
+    std::int64_t retries = 0;
+    asio::steady_timer timer(ctx);
+    std::mt19937_64 jitter(splitmix(id));
+    http::Headers headers;
+    headers.add("Content-Type", "application/json");
+    if (!opt.api_key.empty()) headers.add("Authorization", "Bearer " + opt.api_key);
+    for (;;) {
+      std::string model_name, body;
+      {
+        std::lock_guard lk(mu);
+        if (stopping) break;
+        auto it = inflight.find(id);
+        it->second.version = current;  // a retry names the then-current version
+        model_name = versions.at(current).name;
+      }
+      body = request_body(f.prompt, model_name);
+      http::OutRequest req{"POST", "/v1/completions", &headers, body};
+      http::CallOptions co;
+      co.first_byte_timeout_s = opt.cfg.generation.request_timeout_s;
+      co.total_timeout_s = opt.cfg.generation.request_timeout_s;
+      co.cancel = f.cancel.get();
+      const double t0 = now_s();
+      http::Pool::Full r = co_await pool->fetch(req, co, 64u << 20);
+      const double dt = now_s() - t0;
+      std::string why;
+      Group g;
+      if (r.error == http::CallError::kCancelled) {
+        std::lock_guard lk(mu);
+        auto it = inflight.find(id);
+        const bool stale = it != inflight.end() && it->second.stale;
+        if (stale && !stopping) {
+          ++counters["rollout/cancelled_stale_total"];
+          emit({"cancelled", f.prompt, it->second.version, versions.count(it->second.version) ? versions[it->second.version].sync_index : 0,
+                staleness_locked(versions.count(it->second.version) ? versions[it->second.version].sync_index : 0), 0, 0});
+          requeue_locked(f.prompt, nullptr, "cancelled");
+          inflight_seqs -= G();
+          inflight.erase(id);
+          cv_trainer.notify_all();
+          co_return;
+        }
+        break;  // stopping
+      } else if (r.error != http::CallError::kNone) {
+        why = std::string("transport: ") + r.message;
+      } else if (r.status == 429 || r.status >= 500) {
+        why = "HTTP " + std::to_string(r.status) + ": " + r.body.substr(0, 300);
+      } else if (r.status == 404) {
+        std::lock_guard lk(mu);
+        const auto it = inflight.find(id);
+        if (versions.count(it->second.version)) {
+          // a replica lost its adapters; the proxy re-syncs it: retried
+          why = "HTTP 404 for a loaded version: " + r.body.substr(0, 300);
+        } else {
+          fatal = "server answered 404 for version " + std::to_string(it->second.version) + " that was already unloaded: " + r.body.substr(0, 300);
+        }
+      } else if (r.status != 200) {
+        std::lock_guard lk(mu);
+        if (!fatal) fatal = "the server refused a rollout request (HTTP " + std::to_string(r.status) + "): " + r.body.substr(0, 500) +
+                            " (check generation.* and the server's flags)";
+      } else if (auto bad = parse_response(r.body, g)) {
+        why = "invalid response: " + *bad;
+        std::lock_guard lk(mu);
+        ++counters["rollout/invalid_response_total"];
+      } else {
+        std::lock_guard lk(mu);
+        last_success = now_s();
+        window.request_s_sum += dt;
+        ++window.requests;
+        for (const auto& m : g.members) window.generated_tokens += static_cast<std::int64_t>(m.ids.size());
+        g.prompt = f.prompt;
+        inflight_seqs -= G();
+        inflight.erase(id);
+        g.request_s = dt;
+        scoring.push_back(std::move(g));
+        cv_score.notify_one();
+        co_return;
+      }
+      {
+        std::lock_guard lk(mu);
+        if (fatal) {
+          inflight_seqs -= G();
+          inflight.erase(id);
+          cv_trainer.notify_all();
+          co_return;
+        }
+        if (++retries > a.max_retries) {
+          ++counters["rollout/failed_total"];
+          LS_LOG_WARN("trainer", "rollout of prompt {} failed after {} retries: {}", f.prompt.index, a.max_retries, why);
+          emit({"failed", f.prompt, inflight[id].version, 0, 0, 0, 0});
+          requeue_locked(f.prompt, nullptr, "failed");
+          inflight_seqs -= G();
+          inflight.erase(id);
+          cv_trainer.notify_all();
+          co_return;
+        }
+        ++counters["rollout/retry_total"];
+      }
+      LS_LOG_DEBUG("trainer", "retrying prompt {} ({}): {}", f.prompt.index, retries, why);
+      double backoff = std::min(a.retry_backoff_s * std::pow(2.0, static_cast<double>(retries - 1)), a.retry_backoff_max_s);
+      backoff *= std::uniform_real_distribution<double>(0.75, 1.25)(jitter);
+      timer.expires_after(std::chrono::microseconds(static_cast<std::int64_t>(backoff * 1e6)));
+      boost::system::error_code ec;
+      co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    }
+    // Stopping: the prompt returns to the front of the dispatch order with the same attempt.
+    std::lock_guard lk(mu);
+    if (inflight.count(id)) {
+      cursor.redo.push_front(f.prompt);
+      inflight_seqs -= G();
+      inflight.erase(id);
+    }
+    cv_trainer.notify_all();
+  }
+
+  asio::awaitable<void> dispatcher() {
+    asio::steady_timer timer(ctx);
+    for (;;) {
+      std::optional<std::pair<std::uint64_t, InFlight>> d;
+      {
+        std::lock_guard lk(mu);
+        if (stopping) co_return;
+        d = try_admit_locked();
+      }
+      if (d) {
+        asio::co_spawn(ctx, run_group(d->first, d->second), asio::detached);
+        continue;
+      }
+      timer.expires_after(std::chrono::milliseconds(2));
+      boost::system::error_code ec;
+      co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    }
+  }
+
+  void score_worker() {
+    for (;;) {
+      Group g;
+      std::uint64_t key = 0;
+      {
+        std::unique_lock lk(mu);
+        cv_score.wait(lk, [&] { return stopping || !scoring.empty(); });
+        if (stopping) return;
+        g = std::move(scoring.front());
+        scoring.pop_front();
+        key = next_seq++;
+        active.emplace(key, g);  // kept for a checkpoint taken meanwhile (stored unscored)
+      }
+      const double t0 = now_s();
+      const Problem& pr = problem(g.prompt.index);
+      std::vector<double> rewards;
+      std::int64_t timeouts = 0;
+      for (auto& m : g.members) {
+        if (m.finish == "length") {
+          m.reward = opt.cfg.grpo.truncated_reward;
+        } else {
+          std::vector<std::int32_t> ids = m.ids;
+          if (!ids.empty() && std::find(opt.stop_ids.begin(), opt.stop_ids.end(), ids.back()) != opt.stop_ids.end())
+            ids.pop_back();
+          const std::string text = tokenizer.decode(ids, /*skip_special=*/true);
+          reward::RewardInput in{pr.problem, text, ids, m.finish, pr.answers};
+          const double r0 = now_s();
+          try {
+            auto out = reward->score(in);
+            m.reward = out.reward;
+            m.parts.clear();
+            for (const auto& c : out.components) m.parts.push_back(c.value);
+            if (m.parts.empty()) m.parts.push_back(out.reward);
+          } catch (const std::exception& e) {
+            LS_LOG_WARN("trainer", "reward function failed on prompt {}: {}", g.prompt.index, e.what());
+            m.reward = std::numeric_limits<double>::quiet_NaN();
+          }
+          if (now_s() - r0 > opt.cfg.grpo.reward_timeout_s) {  // late results are discarded
+            m.reward = opt.cfg.grpo.reward_on_timeout;
+            ++timeouts;
+          }
+        }
+        m.valid = std::isfinite(m.reward);
+        rewards.push_back(m.reward);
+      }
+      auto adv = group_advantages(rewards, adv_mode);
+      std::unique_lock lk(mu);
+      counters["rollout/reward_timeout_total"] += timeouts;
+      g.score_s = now_s() - t0;
+      window.score_s_sum += g.score_s;
+      ++window.scored_groups;
+      if (!adv) {
+        active.erase(key);
+        emit({"failed", g.prompt, g.version, g.sync_index, staleness_locked(g.sync_index), g.tokens(), g.mean_reward()});
+        ++counters["rollout/failed_total"];
+        requeue_locked(g.prompt, &g, "nan rewards");
+        continue;
+      }
+      for (std::size_t i = 0; i < g.members.size(); ++i) g.members[i].advantage = adv->advantages[i];
+      g.scored = true;
+      const double w0 = now_s();
+      cv_space.wait(lk, [&] { return stopping || queued_samples + G() <= opt.cfg.async.queue_maxsize || queue.empty(); });
+      window.backpressure_s += now_s() - w0;
+      active.erase(key);
+      if (stopping) {
+        scoring.push_front(std::move(g));  // captured as a scored group by a final checkpoint
+        return;
+      }
+      push_queue_locked(std::move(g));
+    }
+  }
+
+  void push_queue_locked(Group g) {
+    g.seq = next_seq++;
+    g.enqueued_at = now_s();
+    queued_samples += static_cast<std::int64_t>(g.members.size());
+    queue.emplace(std::make_pair(g.sync_index, g.seq), std::move(g));
+    cv_trainer.notify_all();
+  }
+
+  bool exhausted_locked() const {
+    return dispatch_done && cursor.redo.empty() && inflight.empty() && scoring.empty() && active.empty() && queue.empty();
+  }
+};
+
+Pipeline::Pipeline(PipelineOptions opt, const Dataset& data, const tok::Tokenizer& tokenizer,
+                   std::shared_ptr<const reward::RewardFunction> reward, EventSink sink)
+    : impl_(std::make_unique<Impl>(std::move(opt), data, tokenizer, std::move(reward), std::move(sink))) {
+  std::string err;
+  auto url = http::Url::parse(impl_->opt.server_url, err);
+  if (!url) throw_invalid("generation.server_url '{}': {}", impl_->opt.server_url, err);
+  http::ClientOptions co;
+  co.max_connections = static_cast<std::size_t>(std::max<std::int64_t>(1, impl_->opt.cfg.async.max_inflight));
+  impl_->pool = std::make_unique<http::Pool>(*url, co);
+}
+
+Pipeline::~Pipeline() { stop(); }
+
+void Pipeline::init_fresh() {
+  std::lock_guard lk(impl_->mu);
+  impl_->cursor = Cursor{};
+  impl_->cursor.permutation = epoch_permutation(static_cast<std::int64_t>(impl_->data.problems.size()), impl_->opt.cfg.seed, 0,
+                                                impl_->opt.cfg.data.shuffle);
+}
+
+void Pipeline::restore(PipelineState st) {
+  std::lock_guard lk(impl_->mu);
+  auto& I = *impl_;
+  I.cursor = std::move(st.cursor);
+  if (I.cursor.permutation.empty())
+    I.cursor.permutation = epoch_permutation(static_cast<std::int64_t>(I.data.problems.size()), I.opt.cfg.seed, I.cursor.epoch,
+                                             I.opt.cfg.data.shuffle);
+  for (auto& [k, v] : st.counters) I.counters[k] = v;
+  for (const auto& v : st.versions) I.versions[v.version] = v;
+  I.current = st.current;
+  I.c = st.samples_since_switch;
+  for (auto& g : st.groups) {
+    if (g.scored) I.push_queue_locked(std::move(g));
+    else I.scoring.push_back(std::move(g));  // re-scored
+  }
+}
+
+void Pipeline::start() {
+  auto& I = *impl_;
+  I.rollout_thread = std::thread([&I] {
+    asio::co_spawn(I.ctx, I.dispatcher(), asio::detached);
+    auto guard = asio::make_work_guard(I.ctx);
+    I.ctx.run();
+  });
+  for (std::int64_t i = 0; i < std::max<std::int64_t>(1, I.opt.cfg.async.score_workers); ++i)
+    I.workers.emplace_back([&I] { I.score_worker(); });
+}
+
+void Pipeline::stop() {
+  auto& I = *impl_;
+  {
+    std::lock_guard lk(I.mu);
+    if (I.stopping && !I.rollout_thread.joinable()) return;
+    I.stopping = true;
+    for (auto& [id, f] : I.inflight) {
+      auto sig = f.cancel;
+      asio::post(I.ctx, [sig] { sig->fire(); });
+    }
+  }
+  I.cv_score.notify_all();
+  I.cv_space.notify_all();
+  I.cv_trainer.notify_all();
+  for (auto& w : I.workers)
+    if (w.joinable()) w.join();
+  I.workers.clear();
+  if (I.rollout_thread.joinable()) {
+    // Let the aborted requests unwind (they return their prompts to the redo list), then stop.
+    for (int i = 0; i < 500; ++i) {
+      {
+        std::lock_guard lk(I.mu);
+        if (I.inflight.empty()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    asio::post(I.ctx, [&I] { I.pool.reset(); });
+    I.ctx.stop();
+    I.rollout_thread.join();
+    I.pool.reset();
+    std::lock_guard lk(I.mu);
+    for (auto& [id, f] : I.inflight) I.cursor.redo.push_front(f.prompt);  // never started unwinding
+    I.inflight.clear();
+    I.inflight_seqs = 0;
+  }
+}
+
+std::optional<Group> Pipeline::pop(double timeout_s) {
+  auto& I = *impl_;
+  std::unique_lock lk(I.mu);
+  I.cv_trainer.wait_for(lk, std::chrono::duration<double>(timeout_s),
+                        [&] { return !I.queue.empty() || I.fatal || I.exhausted_locked() || I.stopping; });
+  if (I.queue.empty()) return std::nullopt;
+  auto it = I.queue.begin();
+  Group g = std::move(it->second);
+  I.queue.erase(it);
+  I.queued_samples -= static_cast<std::int64_t>(g.members.size());
+  I.cv_space.notify_all();
+  return g;
+}
+
+void Pipeline::unpop(std::vector<Group> groups) {
+  std::lock_guard lk(impl_->mu);
+  for (auto& g : groups) {
+    impl_->queued_samples += static_cast<std::int64_t>(g.members.size());
+    impl_->queue.emplace(std::make_pair(g.sync_index, g.seq), std::move(g));
+  }
+}
+
+void Pipeline::drop_stale(const Group& g, std::int64_t staleness) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.counters["sample/dropped_stale_total"] += static_cast<std::int64_t>(g.members.size());
+  I.emit({"dropped_stale", g.prompt, g.version, g.sync_index, staleness, g.tokens(), g.mean_reward()});
+  I.requeue_locked(g.prompt, &g, "stale");
+}
+
+void Pipeline::record_trained(const std::vector<Group>& groups, std::int64_t step) {
+  (void)step;
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  for (const auto& g : groups) {
+    I.c += static_cast<std::int64_t>(g.members.size());
+    I.emit({"trained", g.prompt, g.version, g.sync_index, I.staleness_locked(g.sync_index), g.tokens(), g.mean_reward()});
+  }
+}
+
+std::int64_t Pipeline::staleness_of(const Group& g) const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->staleness_locked(g.sync_index);
+}
+
+bool Pipeline::exhausted() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->exhausted_locked();
+}
+
+void Pipeline::add_version(const VersionInfo& v) {
+  std::lock_guard lk(impl_->mu);
+  impl_->versions[v.version] = v;
+}
+
+void Pipeline::switch_to(std::int64_t version) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  LS_CHECK(I.versions.count(version), "switch to an unknown version");
+  I.current = version;
+  I.c = 0;
+  const std::int64_t bound = I.opt.cfg.async.max_staleness;
+  for (auto& [id, f] : I.inflight) {
+    auto it = I.versions.find(f.version);
+    const std::int64_t k = it == I.versions.end() ? 0 : it->second.sync_index;
+    if (!f.stale && I.staleness_locked(k) > bound) {
+      f.stale = true;
+      auto sig = f.cancel;
+      asio::post(I.ctx, [sig] { sig->fire(); });
+    }
+  }
+  for (auto it = I.queue.begin(); it != I.queue.end();) {
+    const std::int64_t s = I.staleness_locked(it->second.sync_index);
+    if (s > bound) {
+      const Group& g = it->second;
+      I.counters["sample/dropped_stale_total"] += static_cast<std::int64_t>(g.members.size());
+      I.emit({"dropped_stale", g.prompt, g.version, g.sync_index, s, g.tokens(), g.mean_reward()});
+      I.requeue_locked(g.prompt, &g, "stale");
+      I.queued_samples -= static_cast<std::int64_t>(g.members.size());
+      it = I.queue.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  I.cv_space.notify_all();
+}
+
+bool Pipeline::in_flight_uses(std::int64_t version) const {
+  std::lock_guard lk(impl_->mu);
+  for (const auto& [id, f] : impl_->inflight)
+    if (f.version == version) return true;
+  return false;
+}
+
+std::optional<VersionInfo> Pipeline::version(std::int64_t v) const {
+  std::lock_guard lk(impl_->mu);
+  auto it = impl_->versions.find(v);
+  if (it == impl_->versions.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<VersionInfo> Pipeline::current() const {
+  std::lock_guard lk(impl_->mu);
+  auto it = impl_->versions.find(impl_->current);
+  if (it == impl_->versions.end()) return std::nullopt;
+  return it->second;
+}
+
+void Pipeline::forget_version(std::int64_t v) {
+  std::lock_guard lk(impl_->mu);
+  impl_->versions.erase(v);
+}
+
+PipelineState Pipeline::capture() const {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  PipelineState st;
+  st.cursor = I.cursor;
+  std::deque<PromptRef> redo;
+  for (const auto& [id, f] : I.inflight) redo.push_back(f.prompt);  // dispatch order (ids ascend)
+  for (const auto& p : I.cursor.redo) redo.push_back(p);
+  st.cursor.redo = std::move(redo);
+  for (const auto& [k, g] : I.queue) st.groups.push_back(g);
+  for (const auto& g : I.scoring) st.groups.push_back(g);
+  for (const auto& [k, g] : I.active) {
+    Group u = g;
+    u.scored = false;
+    st.groups.push_back(std::move(u));
+  }
+  st.counters = I.counters;
+  for (const auto& [v, info] : I.versions) st.versions.push_back(info);
+  st.current = I.current;
+  st.samples_since_switch = I.c;
+  return st;
+}
+
+std::int64_t Pipeline::queue_samples() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->queued_samples;
+}
+
+std::int64_t Pipeline::inflight_sequences() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->inflight_seqs;
+}
+
+std::map<std::string, std::int64_t> Pipeline::counters() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->counters;
+}
+
+void Pipeline::add_counter(const std::string& name, std::int64_t delta) {
+  std::lock_guard lk(impl_->mu);
+  impl_->counters[name] += delta;
+}
+
+WindowStats Pipeline::take_window() {
+  std::lock_guard lk(impl_->mu);
+  auto& I = *impl_;
+  const double t = now_s();
+  if (I.admission_blocked_since >= 0) I.window.admission_block_s += t - I.admission_blocked_since, I.admission_blocked_since = t;
+  if (I.score_blocked_since >= 0) I.window.score_block_s += t - I.score_blocked_since, I.score_blocked_since = t;
+  WindowStats w = I.window;
+  I.window = WindowStats{};
+  return w;
+}
+
+double Pipeline::seconds_since_success() const {
+  std::lock_guard lk(impl_->mu);
+  return now_s() - impl_->last_success;
+}
+
+std::optional<std::string> Pipeline::fatal() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->fatal;
+}
+
+double Pipeline::dispatched_fraction() const {
+  std::lock_guard lk(impl_->mu);
+  const auto n = static_cast<double>(std::max<std::size_t>(1, impl_->data.problems.size()));
+  return static_cast<double>(impl_->cursor.epoch) + static_cast<double>(impl_->cursor.position) / n;
+}
+
+}  // namespace lorasync::rl
