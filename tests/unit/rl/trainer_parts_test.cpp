@@ -1,0 +1,233 @@
+// Unit tests of the trainer's pipeline bookkeeping and checkpoints (trainer.md §9): staleness in
+// sync indices, the switch sweep and requeue/abandon, queue order, capture; version names; the
+// seeded epoch permutation; checkpoint round trip bit-exact and incomplete checkpoints skipped;
+// Prometheus text.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <set>
+
+#include "core/model/qwen2_config.h"
+#include "core/tokenizer/tokenizer.h"
+#include "reward/reward_fn.h"
+#include "rl/checkpoint.h"
+#include "rl/metrics_endpoint.h"
+#include "rl/pipeline.h"
+#include "util/files.h"
+
+namespace lorasync::rl {
+namespace {
+
+Group make_group(std::int64_t prompt, std::int64_t version, std::int64_t k, int members = 4) {
+  Group g;
+  g.prompt = {prompt, 0, 1};
+  g.version = version;
+  g.sync_index = k;
+  g.scored = true;
+  for (int i = 0; i < members; ++i) {
+    Member m;
+    m.ids = {static_cast<std::int32_t>(10 + i), 11, 12};
+    m.logprobs = {-0.5f, -1.25f, -3.0e-7f};
+    m.finish = "stop";
+    m.reward = i == 0 ? 1.0 : 0.0;
+    m.parts = {m.reward};
+    m.advantage = i == 0 ? 0.75 : -0.25;
+    g.members.push_back(m);
+  }
+  return g;
+}
+
+struct PipelineFixture : ::testing::Test {
+  PipelineFixture() : tokenizer(tok::Tokenizer::load(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer")) {
+    for (int i = 0; i < 8; ++i) data.problems.push_back({i, "p" + std::to_string(i), {"1"}, {1, 2, 3}});
+    data.n_rows = 8;
+  }
+  std::unique_ptr<Pipeline> make(std::int64_t max_staleness, std::int64_t attempts = 3) {
+    PipelineOptions o;
+    o.cfg.async.max_staleness = max_staleness;
+    o.cfg.async.max_prompt_attempts = attempts;
+    o.cfg.grpo.num_generations = 4;
+    o.server_url = "http://127.0.0.1:1";
+    o.vocab = 100;
+    o.prefix = "policy";
+    auto p = std::make_unique<Pipeline>(o, data, tokenizer, reward::make_reward_function("math_boxed"),
+                                        [this](const GroupEvent& e) { events.push_back(e); });
+    p->init_fresh();
+    return p;
+  }
+  Dataset data;
+  tok::Tokenizer tokenizer;
+  std::vector<GroupEvent> events;
+};
+
+TEST_F(PipelineFixture, StalenessCountsSyncIndicesNotVersionNumbers) {
+  auto p = make(1);
+  p->add_version({1, 0, "policy-v1", "a"});
+  p->switch_to(1);
+  PipelineState st = p->capture();
+  st.groups = {make_group(0, 1, 0)};
+  p->restore(st);
+  // A resume re-announces the current weights as a new number with the same sync index.
+  p->add_version({7, 0, "policy-v7", "a"});
+  p->switch_to(7);
+  auto g = p->pop(0.1);
+  ASSERT_TRUE(g);
+  EXPECT_EQ(p->staleness_of(*g), 0);
+  p->add_version({8, 1, "policy-v8", "b"});
+  p->switch_to(8);
+  EXPECT_EQ(p->staleness_of(*g), 1);
+  p->add_version({9, 2, "policy-v9", "c"});
+  p->switch_to(9);
+  EXPECT_EQ(p->staleness_of(*g), 2);  // > max_staleness: the trainer drops it at dequeue
+}
+
+TEST_F(PipelineFixture, SwitchSweepsExactlyTheStaleGroupsAndRequeuesThem) {
+  auto p = make(1);
+  for (std::int64_t v = 1; v <= 3; ++v) p->add_version({v, v - 1, "policy-v" + std::to_string(v), ""});
+  p->switch_to(2);
+  PipelineState st = p->capture();
+  st.groups = {make_group(3, 1, 0), make_group(4, 2, 1), make_group(5, 1, 0)};
+  p->restore(st);
+  EXPECT_EQ(p->queue_samples(), 12);
+  p->switch_to(3);  // k(V) = 2: the two groups of k = 0 are beyond max_staleness = 1
+  EXPECT_EQ(p->queue_samples(), 4);
+  EXPECT_EQ(p->counters()["sample/dropped_stale_total"], 8);
+  auto c = p->capture();
+  ASSERT_EQ(c.cursor.redo.size(), 2u);
+  std::set<std::int64_t> redo;
+  for (const auto& r : c.cursor.redo) {
+    redo.insert(r.index);
+    EXPECT_EQ(r.attempt, 2);
+  }
+  EXPECT_EQ(redo, (std::set<std::int64_t>{3, 5}));
+  int dropped = 0;
+  for (const auto& e : events) dropped += e.disposition == "dropped_stale";
+  EXPECT_EQ(dropped, 2);
+}
+
+TEST_F(PipelineFixture, DroppedPromptIsAbandonedAfterMaxAttempts) {
+  auto p = make(0, /*attempts=*/2);
+  p->add_version({1, 0, "policy-v1", ""});
+  p->switch_to(1);
+  Group g = make_group(6, 1, 0);
+  p->drop_stale(g, 1);  // attempt 1 -> requeued as attempt 2
+  auto c = p->capture();
+  ASSERT_EQ(c.cursor.redo.size(), 1u);
+  EXPECT_EQ(c.cursor.redo.front().attempt, 2);
+  g.prompt.attempt = 2;
+  p->drop_stale(g, 1);  // attempt 2 = max: abandoned
+  EXPECT_EQ(p->counters()["rollout/abandoned_total"], 1);
+  EXPECT_EQ(events.back().disposition, "abandoned");
+}
+
+TEST_F(PipelineFixture, QueueIsOrderedBySyncIndexThenCompletion) {
+  auto p = make(4);
+  p->add_version({1, 0, "policy-v1", ""});
+  p->add_version({2, 1, "policy-v2", ""});
+  p->switch_to(2);
+  PipelineState st = p->capture();
+  st.groups = {make_group(0, 2, 1), make_group(1, 1, 0), make_group(2, 2, 1), make_group(3, 1, 0)};
+  p->restore(st);
+  std::vector<std::int64_t> order;
+  while (auto g = p->pop(0.01)) order.push_back(g->prompt.index);
+  EXPECT_EQ(order, (std::vector<std::int64_t>{1, 3, 0, 2}));
+}
+
+TEST(TrainerParts, VersionNamesAndPermutations) {
+  EXPECT_EQ(parse_version_name("policy-v12", "policy"), 12);
+  EXPECT_FALSE(parse_version_name("policy-v012", "policy"));
+  EXPECT_FALSE(parse_version_name("policy-v", "policy"));
+  EXPECT_FALSE(parse_version_name("other-v3", "policy"));
+  EXPECT_FALSE(parse_version_name("policy-v3x", "policy"));
+  EXPECT_FALSE(parse_version_name("policy-v99999999999999999999", "policy"));
+  auto a = epoch_permutation(100, 42, 0, true), b = epoch_permutation(100, 42, 0, true), c = epoch_permutation(100, 42, 1, true);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  std::set<std::int64_t> s(a.begin(), a.end());
+  EXPECT_EQ(s.size(), 100u);
+  EXPECT_EQ(epoch_permutation(5, 42, 3, false), (std::vector<std::int64_t>{0, 1, 2, 3, 4}));
+}
+
+TEST(TrainerParts, CheckpointRoundTripIsBitExact) {
+  TempDir dir("lorasync-ckpt");
+  auto mc = model::Qwen2Config::preset("tiny");
+  model::LoraConfig lc;
+  lc.rank = 2;
+  lc.alpha = 4;
+  lc.targets = model::LoraConfig::parse_targets({"all-linear"});
+  auto adapter = model::LoraAdapter::init(lc, mc, 3, torch::kCPU);
+  for (auto& t : adapter.parameters()) t.normal_();
+  CheckpointData d;
+  d.step = 7;
+  d.adapter = &adapter;
+  for (auto& t : adapter.parameters()) {
+    d.exp_avg.push_back(torch::randn_like(t));
+    d.exp_avg_sq.push_back(torch::rand_like(t));
+  }
+  d.version_tensors[3] = adapter.parameters();
+  d.groups = {make_group(1, 3, 2), make_group(2, 3, 2)};
+  d.groups[1].scored = false;
+  d.groups[1].members[2].valid = false;
+  d.groups[1].members[2].reward = std::nan("");
+  d.state = {{"cursor", cursor_to_json(Cursor{1, 5, {4, 3, 2, 1, 0}, {{7, 1, 2}}})}};
+  const auto ck = dir.path() / "checkpoints";
+  auto p1 = write_checkpoint(ck, d, 3);
+  EXPECT_EQ(p1.filename(), "step-000007");
+  EXPECT_TRUE(checkpoint_complete(p1));
+  auto r = read_checkpoint(p1);
+  EXPECT_EQ(r.step, 7);
+  ASSERT_EQ(r.exp_avg.size(), d.exp_avg.size());
+  for (std::size_t i = 0; i < r.exp_avg.size(); ++i) {
+    EXPECT_TRUE(torch::equal(r.exp_avg[i], d.exp_avg[i]));
+    EXPECT_TRUE(torch::equal(r.exp_avg_sq[i], d.exp_avg_sq[i]));
+    EXPECT_TRUE(torch::equal(r.version_tensors.at(3)[i], d.version_tensors.at(3)[i]));
+  }
+  ASSERT_EQ(r.groups.size(), 2u);
+  for (std::size_t g = 0; g < 2; ++g)
+    for (std::size_t m = 0; m < 4; ++m) {
+      EXPECT_EQ(r.groups[g].members[m].ids, d.groups[g].members[m].ids);
+      EXPECT_EQ(r.groups[g].members[m].logprobs, d.groups[g].members[m].logprobs);  // bit-exact floats
+      EXPECT_EQ(r.groups[g].members[m].advantage, d.groups[g].members[m].advantage);
+    }
+  EXPECT_FALSE(r.groups[1].scored);
+  EXPECT_FALSE(r.groups[1].members[2].valid);
+  auto cur = cursor_from_json(r.state["cursor"]);
+  EXPECT_EQ(cur.permutation, (std::vector<std::int64_t>{4, 3, 2, 1, 0}));
+  ASSERT_EQ(cur.redo.size(), 1u);
+  EXPECT_EQ(cur.redo[0].attempt, 2);
+  // Save again from what was read: byte-identical tensor files.
+  auto loaded = model::LoraAdapter::load_peft(r.adapter_dir, mc, torch::kCPU);
+  CheckpointData d2 = r;
+  d2.adapter = &loaded;
+  d2.step = 8;
+  auto p2 = write_checkpoint(ck, d2, 3);
+  for (const char* f : {"optimizer.safetensors", "versions.safetensors", "queue.safetensors", "queue.json",
+                        "adapter/adapter_model.safetensors"})
+    EXPECT_EQ(read_file(p1 / f), read_file(p2 / f)) << f;
+  // A corrupted newest checkpoint is skipped by resume; `latest` falls back to the older one.
+  write_file_atomic(p2 / "queue.json", "{}");
+  EXPECT_FALSE(checkpoint_complete(p2));
+  auto found = find_resume_checkpoint(ck);
+  ASSERT_TRUE(found);
+  EXPECT_EQ(found->filename(), "step-000007");
+  fs::remove(p1 / "manifest.json");
+  EXPECT_FALSE(find_resume_checkpoint(ck));
+  // Retention keeps the newest N.
+  for (std::int64_t s = 10; s < 14; ++s) {
+    d.step = s;
+    write_checkpoint(ck, d, 2);
+  }
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(ck)) n += e.path().filename().string().rfind("step-", 0) == 0;
+  EXPECT_EQ(n, 2);
+}
+
+TEST(TrainerParts, PrometheusText) {
+  auto t = prometheus_text({{"ratio/min", 0.5}, {"rollout/retry_total", 3}, {"bad", std::nan("")}});
+  EXPECT_NE(t.find("# TYPE lorasync_trainer_ratio_min gauge\nlorasync_trainer_ratio_min 0.5\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("# TYPE lorasync_trainer_rollout_retry_total counter"), std::string::npos);
+  EXPECT_EQ(t.find("bad"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace lorasync::rl
