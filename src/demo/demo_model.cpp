@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <map>
+
 #include "core/io/checkpoint_dir.h"
 #include "core/model/qwen2_model.h"
 #include "core/tokenizer/bpe_trainer.h"
@@ -184,9 +186,21 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
                   "greedy accuracy {:.3f} (boxed {:.3f}) ({:.1f}s)",
                   heldout.size(), res.base_accuracy, res.boxed_rate, sampled.mean_tokens,
                   res.greedy_accuracy, res.greedy_boxed_rate, res.eval_seconds));
-  for (std::size_t i = 0; i < std::min<std::size_t>(3, heldout.size()); ++i)
-    log(fmt::format("  sample: {:?} -> {:?} (reference {})", heldout[i].problem,
-                    sampled.completions[i], heldout[i].answer));
+  {
+    std::map<std::string, std::pair<int, int>> by_kind;  // kind -> (greedy correct, n)
+    for (std::size_t i = 0; i < heldout.size(); ++i) {
+      auto& k = by_kind[heldout[i].kind];
+      k.first += greedy.correct[i];
+      ++k.second;
+    }
+    std::string line = "greedy accuracy by kind:";
+    for (const auto& [kind, c] : by_kind)
+      line += fmt::format(" {} {:.2f} ({})", kind, static_cast<double>(c.first) / c.second, c.second);
+    log(line);
+  }
+  for (std::size_t i = 0; i < std::min<std::size_t>(4, heldout.size()); ++i)
+    log(fmt::format("  {:?} (reference {}): sampled {:?}, greedy {:?}", heldout[i].problem,
+                    heldout[i].answer, sampled.completions[i], greedy.completions[i]));
 
   // 5. Files: staging dir, then rename.
   nlohmann::ordered_json dj = {

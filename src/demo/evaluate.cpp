@@ -105,7 +105,9 @@ EvalResult evaluate(const model::Qwen2Model& model, const tok::Tokenizer& tokeni
       ++res.n;
       if (!stopped) ++res.n_truncated;
       if (text.find("\\boxed{") != std::string::npos) ++res.n_boxed;
-      if (stopped && reward::grade(text, rows[i].answer).correct) ++res.n_correct;
+      const bool ok = stopped && reward::grade(text, rows[i].answer).correct;
+      res.n_correct += ok;
+      res.correct.push_back(ok);
       res.completions.push_back(std::move(text));
     }
   }

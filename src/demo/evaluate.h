@@ -37,6 +37,7 @@ struct EvalResult {
   double mean_tokens = 0;        // generated tokens per completion
   double accuracy() const { return n ? static_cast<double>(n_correct) / static_cast<double>(n) : 0; }
   std::vector<std::string> completions;  // decoded text, in row order
+  std::vector<bool> correct;             // verdict per row
 };
 
 EvalResult evaluate(const model::Qwen2Model& model, const tok::Tokenizer& tokenizer,

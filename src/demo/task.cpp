@@ -62,6 +62,10 @@ constexpr std::array<const char*, 12> kNames = {"Mia", "Tom", "Ana", "Leo",  "Sa
                                                 "Nora", "Sam", "Lily", "Max", "Zoe",  "Omar"};
 constexpr std::array<const char*, 8> kItems = {"apples", "pens",  "books",  "cards",
                                                "stickers", "coins", "marbles", "shells"};
+// Operand ranges: small enough that a ~1M-parameter model learns the facts in a few hundred
+// SFT steps (addends up to kMaxAddend, one-digit factors, intermediates up to kMaxValue).
+constexpr int kMaxAddend = 30;
+constexpr int kMaxValue = 120;
 constexpr const char* kTimes = "\xC3\x97";  // U+00D7 MULTIPLICATION SIGN
 
 std::string S(int v) { return std::to_string(v); }
@@ -71,7 +75,7 @@ struct Draft {
   std::string kind, problem, signature, steps, answer, final_value;
 };
 
-// 2-3 operands of + - ×, at most one ×, × before + and -; every intermediate in [0, 200].
+// 2-3 operands of + - ×, at most one ×, × before + and -; every intermediate in [0, kMaxValue].
 bool draft_expr(Rng& rng, Draft& d) {
   const int n_ops = rng.uniform(1, 2);
   std::vector<char> ops;
@@ -86,7 +90,7 @@ bool draft_expr(Rng& rng, Draft& d) {
   for (std::size_t i = 0; i < v.size(); ++i) {
     const bool mul_left = i < ops.size() && ops[i] == '*';
     const bool mul_right = i > 0 && ops[i - 1] == '*';
-    v[i] = mul_left ? rng.uniform(2, 12) : mul_right ? rng.uniform(2, 9) : rng.uniform(2, 60);
+    v[i] = mul_left || mul_right ? rng.uniform(2, 9) : rng.uniform(2, kMaxAddend);
   }
   auto op_text = [](char op) { return op == '*' ? std::string(kTimes) : std::string(1, op); };
   d.kind = "expr";
@@ -112,11 +116,11 @@ bool draft_expr(Rng& rng, Draft& d) {
   int acc = vals[0];
   for (std::size_t i = 0; i < rest.size(); ++i) {
     const int r = rest[i] == '+' ? acc + vals[i + 1] : acc - vals[i + 1];
-    if (r < 0 || r > 200) return false;
+    if (r < 0 || r > kMaxValue) return false;
     d.steps += S(acc) + " " + std::string(1, rest[i]) + " " + S(vals[i + 1]) + " = " + S(r) + ". ";
     acc = r;
   }
-  if (acc > 200) return false;
+  if (acc > kMaxValue) return false;
   d.steps.pop_back();
   d.answer = d.final_value = S(acc);
   return true;
@@ -126,7 +130,7 @@ bool draft_word(Rng& rng, Draft& d) {
   const std::string name = rng.pick(kNames);
   const std::string item = rng.pick(kItems);
   const int t = rng.uniform(0, 5);
-  int a = rng.uniform(2, 60), b = rng.uniform(2, 40), c = rng.uniform(2, 30), r = 0;
+  int a = rng.uniform(2, kMaxAddend), b = rng.uniform(2, 20), c = rng.uniform(2, 15), r = 0;
   d.kind = "word";
   switch (t) {
     case 0:
@@ -142,7 +146,7 @@ bool draft_word(Rng& rng, Draft& d) {
       d.steps = S(a) + " - " + S(b) + " = " + S(r) + ".";
       break;
     case 2:
-      a = rng.uniform(2, 12), b = rng.uniform(2, 9), r = a * b;
+      a = rng.uniform(2, 9), b = rng.uniform(2, 9), r = a * b;
       d.problem = name + " buys " + S(a) + " bags with " + S(b) + " " + item +
                   " in each. How many " + item + " does " + name + " buy?";
       d.steps = S(a) + " " + kTimes + " " + S(b) + " = " + S(r) + ".";
@@ -157,7 +161,7 @@ bool draft_word(Rng& rng, Draft& d) {
       break;
     }
     case 4: {
-      a = rng.uniform(2, 9), b = rng.uniform(2, 12);
+      a = rng.uniform(2, 9), b = rng.uniform(2, 9);
       const int p = a * b;
       r = p + c;
       d.problem = "There are " + S(a) + " boxes of " + S(b) + " " + item + " and " + S(c) +
@@ -188,23 +192,23 @@ bool draft_equation(Rng& rng, Draft& d) {
   int x = 0, a = 0, b = 0, c = 0;
   switch (t) {
     case 0:  // x + b = c
-      x = rng.uniform(1, 60), b = rng.uniform(2, 40), c = x + b;
+      x = rng.uniform(1, kMaxAddend), b = rng.uniform(2, 20), c = x + b;
       d.problem = "Solve for x: x + " + S(b) + " = " + S(c) + ".";
       d.steps = "x = " + S(c) + " - " + S(b) + " = " + S(x) + ".";
       break;
     case 1:  // x - b = c
-      x = rng.uniform(3, 60), b = rng.uniform(2, 40), c = x - b;
+      x = rng.uniform(3, kMaxAddend), b = rng.uniform(2, 20), c = x - b;
       if (c < 1) return false;
       d.problem = "Solve for x: x - " + S(b) + " = " + S(c) + ".";
       d.steps = "x = " + S(c) + " + " + S(b) + " = " + S(x) + ".";
       break;
     case 2:  // a x = c
-      a = rng.uniform(2, 9), x = rng.uniform(2, 12), c = a * x;
+      a = rng.uniform(2, 9), x = rng.uniform(2, 9), c = a * x;
       d.problem = "Solve for x: " + S(a) + "x = " + S(c) + ".";
       d.steps = "x = " + S(c) + " / " + S(a) + " = " + S(x) + ".";
       break;
     default: {  // a x + b = c
-      a = rng.uniform(2, 9), x = rng.uniform(2, 12), b = rng.uniform(2, 30);
+      a = rng.uniform(2, 9), x = rng.uniform(2, 9), b = rng.uniform(2, 20);
       const int ax = a * x;
       c = ax + b;
       d.problem = "Solve for x: " + S(a) + "x + " + S(b) + " = " + S(c) + ".";
@@ -230,7 +234,7 @@ bool draft_fraction(Rng& rng, Draft& d) {
   const int t = rng.uniform(0, 2);
   d.kind = "fraction";
   if (t <= 1) {
-    const int q = rng.uniform(3, 12);
+    const int q = rng.uniform(3, 9);
     int a = rng.uniform(1, q - 1), b = rng.uniform(1, q - 1);
     if (t == 1 && a <= b) return false;
     const int p = t == 0 ? a + b : a - b;
@@ -243,7 +247,7 @@ bool draft_fraction(Rng& rng, Draft& d) {
     d.final_value = S(p) + "/" + S(q);
     return true;
   }
-  const int q = rng.uniform(2, 9), k = rng.uniform(2, 12), n = rng.uniform(1, q - 1);
+  const int q = rng.uniform(2, 6), k = rng.uniform(2, 9), n = rng.uniform(1, q - 1);
   const int m = q * k, r = k * n;
   d.problem = "What is " + S(n) + "/" + S(q) + " of " + S(m) + "?";
   d.steps = S(m) + " / " + S(q) + " = " + S(k) + ". " + S(k) + " " + kTimes + " " + S(n) + " = " +
