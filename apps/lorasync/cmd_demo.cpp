@@ -232,7 +232,7 @@ struct DemoOptions {
   std::int64_t eval_problems = 200;
   std::int64_t eval_samples = 2;
   std::int64_t seed = 1;
-  bool keep = false;
+  std::int64_t model_steps = 0;  // SFT steps of the base model (0 = make-demo-model's default)
 };
 
 std::string progress_bar(double frac, int width) {
@@ -261,7 +261,8 @@ int run_demo(const DemoOptions& o) {
     const char* home = std::getenv("HOME");
     cache = xdg && *xdg ? fs::path(xdg) / "lorasync" : fs::path(home ? home : ".") / ".cache" / "lorasync";
   }
-  const fs::path base = cache / ("demo-model-seed" + std::to_string(o.seed));
+  const fs::path base = cache / ("demo-model-seed" + std::to_string(o.seed) +
+                                 (o.model_steps > 0 ? "-sft" + std::to_string(o.model_steps) : std::string()));
   const fs::path run = fs::absolute(o.run_dir);
   if (!o.resume && fs::exists(run)) fs::remove_all(run);
   fs::create_directories(run / "logs");
@@ -272,7 +273,9 @@ int run_demo(const DemoOptions& o) {
         base.string());
     const double t0 = now_s();
     fs::create_directories(cache);
-    run_step("make-demo-model", {exe, "make-demo-model", "--out", base.string(), "--seed", std::to_string(o.seed)}, logs);
+    std::vector<std::string> margs = {exe, "make-demo-model", "--out", base.string(), "--seed", std::to_string(o.seed)};
+    if (o.model_steps > 0) margs.insert(margs.end(), {"--steps", std::to_string(o.model_steps)});
+    run_step("make-demo-model", margs, logs);
     model_s = now_s() - t0;
     say(fmt::format("      done in {:.0f} s", model_s));
   } else {
@@ -352,7 +355,7 @@ int run_demo(const DemoOptions& o) {
       << "[batching]\nsamples_per_step = 32\nrow_tokens = 4096\nlogits_chunk = 512\n"
       << "[optimizer]\nlr = 2e-3\nmax_grad_norm = 1.0\n"
       << "[sync]\nweight_sync_steps = 2\nadapter_retry_interval = 0.1\n"
-      << "[checkpoint]\nsave_steps = 10\n"
+      << "[checkpoint]\nsave_steps = 5\n"
       << "[logging]\nmetrics_port = 0\nlog_every = 1\n";
   }
   say(std::string("[4/6] ") + (o.resume ? "resuming" : "running") + " async GRPO: " + std::to_string(o.steps) +
@@ -416,14 +419,15 @@ int run_demo(const DemoOptions& o) {
   const std::size_t n = ms.size();
   const double r_first = mean_of(ms, "reward", 0, std::min<std::size_t>(10, n));
   const double r_last = mean_of(ms, "reward", n >= 10 ? n - 10 : 0, n);
-  double stale_max = 0, sync_sum = 0, tok_s = 0, ratio_min = 1e9, ratio_max = -1e9;
+  double stale_max = 0, sync_sum = 0, tok_s = 0, ratio_min = 1e9, ratio_max = -1e9, mismatch_max = 0;
   int syncs = 0;
   std::vector<double> sync_times;
   for (const auto& m : ms) {
     stale_max = std::max(stale_max, m.value("sample/staleness_max", 0.0));
     if (m.contains("perf/weight_sync_s")) sync_times.push_back(m["perf/weight_sync_s"].get<double>()), sync_sum += sync_times.back(), ++syncs;
-    ratio_min = std::min(ratio_min, m.value("ratio/min", 1.0));
-    ratio_max = std::max(ratio_max, m.value("ratio/max", 1.0));
+    ratio_min = std::min(ratio_min, m.value("ratio", 1.0));
+    ratio_max = std::max(ratio_max, m.value("ratio", 1.0));
+    mismatch_max = std::max(mismatch_max, m.value("mismatch/kl", 0.0));
   }
   std::sort(sync_times.begin(), sync_times.end());
   tok_s = mean_of(ms, "rollout/generated_tok_s", 0, n);
@@ -444,7 +448,8 @@ int run_demo(const DemoOptions& o) {
         {{"name", "held-out accuracy, base model"}, {"value", acc_base}},
         {{"name", "held-out accuracy, trained adapter"}, {"value", acc_trained}},
         {{"name", "accuracy gain"}, {"value", acc_trained - acc_base}},
-        {{"name", "ratio min / max over the run"}, {"value", fmt::format("{:.6f} / {:.6f}", ratio_min, ratio_max)}},
+        {{"name", "ratio (step mean), min / max"}, {"value", fmt::format("{:.4f} / {:.4f}", ratio_min, ratio_max)}},
+        {{"name", "engine mismatch KL (max over steps)"}, {"value", fmt::format("{:.2e}", mismatch_max)}},
         {{"name", "staleness mean / max (syncs)"}, {"value", fmt::format("{:.2f} / {:.0f}", mean_of(ms, "sample/staleness_mean", 0, n), stale_max)}},
         {{"name", "weight syncs, p50 time (s)"}, {"value", fmt::format("{} , {:.3f}", syncs, sync_times.empty() ? 0.0 : sync_times[sync_times.size() / 2])}},
         {{"name", "adapter versions published"}, {"value", versions}},
@@ -463,7 +468,11 @@ int run_demo(const DemoOptions& o) {
     std::string s = v.is_number_float() ? fmt::format("{:.3f}", v.get<double>()) : v.is_string() ? v.get<std::string>() : v.dump();
     std::fprintf(stderr, "  %-40s %s\n", row["name"].get<std::string>().c_str(), s.c_str());
   }
-  if (proxy_stats.is_object()) std::fprintf(stderr, "  %-40s %s\n", "proxy routing", proxy_stats.value("routing", json::object()).dump().c_str());
+  if (proxy_stats.is_object() && proxy_stats.contains("router")) {
+    const auto& rt = proxy_stats["router"];
+    std::fprintf(stderr, "  %-40s routed %lld, affinity %lld, unmatched %lld, spilled %lld\n", "proxy routing",
+                 rt.value("routed", 0LL), rt.value("affinity", 0LL), rt.value("unmatched", 0LL), rt.value("spilled", 0LL));
+  }
   say("  report: " + rep.html.string() + " (plots in " + (run / "plots").string() + ")");
   // Stop the fleet.
   for (auto it = fleet.rbegin(); it != fleet.rend(); ++it) (*it)->stop(10);
@@ -489,6 +498,8 @@ void register_demo(CLI::App& root, Registry& reg) {
   sub->add_option("--eval-problems", o->eval_problems, "held-out problems evaluated")->capture_default_str();
   sub->add_option("--eval-samples", o->eval_samples, "samples per held-out problem")->capture_default_str();
   sub->add_option("--seed", o->seed, "seed of the base model and the run")->capture_default_str();
+  sub->add_option("--model-steps", o->model_steps, "SFT steps of the base model (0 = default; tests use fewer)")
+      ->capture_default_str();
   reg.add(sub, [o]() {
     try {
       return run_demo(*o);

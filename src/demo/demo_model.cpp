@@ -141,7 +141,7 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
   cfg.validate("demo model");
   res.n_params = cfg.n_params();
   at::manual_seed(o.seed);
-  auto model = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, o.seed, at::kFloat),
+  auto model = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, o.seed, at::kFloat, o.init_std),
                                              at::kFloat, c10::Device(c10::kCPU), "demo model");
   auto data = sft_examples(tk, train, o.system_prompt, *eos);
   std::int64_t n_prompt = 0, n_completion = 0;
@@ -237,6 +237,17 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
     write_file_durable(staging / "train.jsonl", to_jsonl(train));
     write_file_durable(staging / "heldout.jsonl", to_jsonl(heldout));
     write_file_durable(staging / "demo.json", res.demo_json);
+    std::string samples;
+    for (std::size_t i = 0; i < heldout.size(); ++i) {
+      nlohmann::ordered_json j = {{"problem", heldout[i].problem},
+                                  {"answer", heldout[i].answer},
+                                  {"sampled", sampled.completions[i]},
+                                  {"sampled_correct", static_cast<bool>(sampled.correct[i])},
+                                  {"greedy", greedy.completions[i]},
+                                  {"greedy_correct", static_cast<bool>(greedy.correct[i])}};
+      samples += j.dump() + "\n";
+    }
+    write_file_durable(staging / "base_samples.jsonl", samples);
     fsync_path(staging, true);
     if (fs::exists(o.out)) fs::remove_all(o.out);
     rename_and_sync(staging, o.out);

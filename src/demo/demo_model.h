@@ -16,6 +16,7 @@
 //        out/train.jsonl   {"problem", "answer"} rows (the RL prompts)
 //        out/heldout.jsonl held-out rows (evaluation)
 //        out/demo.json     system prompt, max_new_tokens, accuracies, seed, sizes, format_version
+//        out/base_samples.jsonl  the held-out completions of the evaluation (sampled, greedy)
 // Thread-safety: one call at a time per output directory; sets no process-wide state (the
 // caller sets compute threads).
 #pragma once
@@ -51,6 +52,7 @@ struct DemoModelOptions {
   std::int64_t num_layers = 3;
   std::int64_t num_heads = 4;             // query heads of hidden_size / num_heads
   std::int64_t num_kv_heads = 2;
+  double init_std = 0.02;                 // std of the random weight matrices before SFT
   SftOptions sft;                         // steps, batch, learning rate (seed = seed)
 };
 

@@ -64,8 +64,8 @@ constexpr std::array<const char*, 8> kItems = {"apples", "pens",  "books",  "car
                                                "stickers", "coins", "marbles", "shells"};
 // Operand ranges: small enough that a ~1M-parameter model learns the facts in a few hundred
 // SFT steps (addends up to kMaxAddend, one-digit factors, intermediates up to kMaxValue).
-constexpr int kMaxAddend = 30;
-constexpr int kMaxValue = 120;
+constexpr int kMaxAddend = 20;
+constexpr int kMaxValue = 100;
 constexpr const char* kTimes = "\xC3\x97";  // U+00D7 MULTIPLICATION SIGN
 
 std::string S(int v) { return std::to_string(v); }
@@ -130,7 +130,7 @@ bool draft_word(Rng& rng, Draft& d) {
   const std::string name = rng.pick(kNames);
   const std::string item = rng.pick(kItems);
   const int t = rng.uniform(0, 5);
-  int a = rng.uniform(2, kMaxAddend), b = rng.uniform(2, 20), c = rng.uniform(2, 15), r = 0;
+  int a = rng.uniform(2, kMaxAddend), b = rng.uniform(2, 15), c = rng.uniform(2, 12), r = 0;
   d.kind = "word";
   switch (t) {
     case 0:
@@ -192,12 +192,12 @@ bool draft_equation(Rng& rng, Draft& d) {
   int x = 0, a = 0, b = 0, c = 0;
   switch (t) {
     case 0:  // x + b = c
-      x = rng.uniform(1, kMaxAddend), b = rng.uniform(2, 20), c = x + b;
+      x = rng.uniform(1, kMaxAddend), b = rng.uniform(2, 15), c = x + b;
       d.problem = "Solve for x: x + " + S(b) + " = " + S(c) + ".";
       d.steps = "x = " + S(c) + " - " + S(b) + " = " + S(x) + ".";
       break;
     case 1:  // x - b = c
-      x = rng.uniform(3, kMaxAddend), b = rng.uniform(2, 20), c = x - b;
+      x = rng.uniform(3, kMaxAddend), b = rng.uniform(2, 15), c = x - b;
       if (c < 1) return false;
       d.problem = "Solve for x: x - " + S(b) + " = " + S(c) + ".";
       d.steps = "x = " + S(c) + " + " + S(b) + " = " + S(x) + ".";
@@ -208,7 +208,7 @@ bool draft_equation(Rng& rng, Draft& d) {
       d.steps = "x = " + S(c) + " / " + S(a) + " = " + S(x) + ".";
       break;
     default: {  // a x + b = c
-      a = rng.uniform(2, 9), x = rng.uniform(2, 9), b = rng.uniform(2, 20);
+      a = rng.uniform(2, 9), x = rng.uniform(2, 9), b = rng.uniform(2, 15);
       const int ax = a * x;
       c = ax + b;
       d.problem = "Solve for x: " + S(a) + "x + " + S(b) + " = " + S(c) + ".";
