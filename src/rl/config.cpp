@@ -239,6 +239,10 @@ void TrainConfig::validate() const {
     throw_invalid("async.queue_maxsize ({}) must be at least grpo.num_generations ({})", async.queue_maxsize, grpo.num_generations);
   if (checkpoint.save_steps <= 0) throw_invalid("checkpoint.save_steps must be positive");
   if (generation.max_new_tokens <= 0) throw_invalid("generation.max_new_tokens must be positive");
+  if (optimizer.scheduler != "constant" && optimizer.scheduler != "cosine")
+    throw_invalid("optimizer.scheduler must be \"constant\" or \"cosine\", got \"{}\"", optimizer.scheduler);
+  if (generation.temperature <= 0)
+    throw_invalid("generation.temperature must be > 0 (got {}): GRPO samples from the policy", generation.temperature);
 }
 
 std::string TrainConfig::to_toml() const {

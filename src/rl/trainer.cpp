@@ -1008,6 +1008,7 @@ int Trainer::run() {
     AdamWConfig ac{cfg_.optimizer.betas[0], cfg_.optimizer.betas[1], cfg_.optimizer.eps, cfg_.optimizer.weight_decay};
     opt_ = std::make_unique<AdamW>(adapter_.parameters(), ac);
     pipe_->init_fresh();
+    if (model_->dtype() == torch::kFloat16) loss_scale_ = cfg_.optimizer.loss_scale_init;  // dynamic loss scaling
     if (cfg_.optimizer.scheduler != "constant" && cfg_.optimizer.scheduler != "cosine")
       refuse("optimizer.scheduler must be constant or cosine; got \"" + cfg_.optimizer.scheduler + "\"");
   }

@@ -266,6 +266,26 @@ TEST_F(TrainFixture, ResumeAfterKillContinuesWithoutReplayOrSkip) {
   EXPECT_GT(q["groups"].size() + st["cursor"]["redo"].size(), 0u) << "the pipeline's groups and prompts were saved";
 }
 
+TEST_F(TrainFixture, SurvivesAReplicaKilledMidRun) {
+  const auto pp = start_fleet();
+  const std::string cfg = config(pp);
+  testing::ChildProcess train({LORASYNC_BINARY, "train", "--config", cfg, "--set", "max_steps=10", "--set",
+                               "async.retry_backoff_s=0.05", "--set", "generation.request_timeout_s=20"});
+  ASSERT_TRUE(train.read_line(120)) << train.stderr_text();
+  for (int i = 0; i < 1200; ++i) {
+    if (fs::exists(bucket_ / "metrics.jsonl") && read_jsonl(bucket_ / "metrics.jsonl").size() >= 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  rep1_->kill(SIGKILL);  // requests in flight on it fail; the proxy ejects it; the trainer retries
+  auto code = train.wait_exit(300);
+  ASSERT_TRUE(code.has_value());
+  ASSERT_EQ(*code, 0) << train.stderr_text();
+  auto metrics = read_jsonl(bucket_ / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 10u);
+  EXPECT_EQ(metrics.back()["rollout/failed_total"], 0);
+  EXPECT_EQ(metrics.back()["rollout/invalid_response_total"], 0);
+}
+
 TEST_F(TrainFixture, BadInputStopsWithAMessageThatSaysWhatToFix) {
   // Malformed TOML and unknown keys: exit 2 naming the file/key.
   std::ofstream(dir_.path() / "bad.toml") << "max_steps = [1,\n";
