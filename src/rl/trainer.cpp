@@ -221,7 +221,7 @@ class Trainer {
   std::vector<std::int64_t> to_delete_;     // unloaded, deleted at the next sync (retention)
   std::unique_ptr<http::BlockingClient> sync_client_;
 
-  double last_step_end_ = 0, run_start_ = 0;
+  double last_step_end_ = 0, run_start_ = 0, flops_ = 0;
   std::int64_t steps_this_run_ = 0;
   bool tty_ = false;
 };
@@ -806,6 +806,19 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   m["sample/staleness_mean"] = stale_sum / dn;
   m["sample/staleness_max"] = stale_max;
   m["sample/time_in_queue_s"] = tq / dn;
+  // MFU (trainer.md §6): F = sum_i (4 P L_i + 6 n_layers d_attn L_i^2) + 4 d V C; omitted on CPU.
+  if (!device_.is_cpu() && cfg.logging.peak_tflops > 0) {
+    const auto& c = model_->config();
+    const double P = static_cast<double>(c.num_hidden_layers) *
+                     static_cast<double>(c.hidden_size * c.q_dim() * 2 + 2 * c.hidden_size * c.num_key_value_heads * c.head_dim +
+                                         3 * c.hidden_size * c.intermediate_size);
+    double F = 4.0 * static_cast<double>(c.hidden_size) * static_cast<double>(c.vocab_size) * static_cast<double>(total_completion);
+    for (const auto& it : pack)
+      F += 4.0 * P * static_cast<double>(it.length) +
+           6.0 * static_cast<double>(c.num_hidden_layers * c.q_dim()) * static_cast<double>(it.length) * static_cast<double>(it.length);
+    m["perf/mfu_fwd_bwd"] = 100.0 * F / (std::max(1e-9, fwd_bwd_s) * cfg.logging.peak_tflops * 1e12);
+    flops_ = F;
+  }
   m["batch/samples_per_step"] = n;
   m["batch/tokens_per_step"] = total_tokens;
   m["batch/microbatches_per_step"] = plan.rows.size();
@@ -1128,6 +1141,7 @@ int Trainer::run() {
       m["perf/step_s"] = t - last_step_end_;
       m["perf/rollout_wait_s"] = wait_s;
       m["perf/weight_sync_wait_s"] = sync_wait;
+      if (flops_ > 0) m["perf/mfu_wall_clock"] = 100.0 * flops_ / (std::max(1e-9, t - last_step_end_) * cfg_.logging.peak_tflops * 1e12);
       if (ckpt_carry > 0) m["perf/checkpoint_s"] = ckpt_carry;
       ckpt_carry = 0;
       m["perf/tokens_per_s"] = m["batch/tokens_per_step"].get<double>() / std::max(1e-9, t - last_step_end_);
