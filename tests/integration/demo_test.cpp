@@ -14,6 +14,7 @@
 
 #include "util/child_process.h"
 #include "util/files.h"
+#include "util/jsonl.h"
 #include "util/run_command.h"
 
 namespace lorasync {
@@ -21,14 +22,7 @@ namespace {
 
 using nlohmann::json;
 
-std::vector<json> read_jsonl(const fs::path& p) {
-  std::vector<json> out;
-  std::ifstream f(p);
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(json::parse(line));
-  return out;
-}
+using testing::read_jsonl;
 
 TEST(Demo, InterruptedRunResumesAndWritesTheReport) {
   TempDir dir("lorasync-demo-it");

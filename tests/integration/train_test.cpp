@@ -23,6 +23,7 @@
 
 #include "util/child_process.h"
 #include "util/files.h"
+#include "util/jsonl.h"
 #include "util/http_client.h"
 #include "util/run_command.h"
 
@@ -34,14 +35,7 @@ using testing::http_request;
 
 std::uint16_t port_of(const std::string& line) { return static_cast<std::uint16_t>(json::parse(line)["port"].get<int>()); }
 
-std::vector<json> read_jsonl(const fs::path& p) {
-  std::vector<json> out;
-  std::ifstream f(p);
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(json::parse(line));
-  return out;
-}
+using testing::read_jsonl;
 
 double prom_value(const std::string& text, const std::string& name) {
   auto pos = text.find("\n" + name + " ");
