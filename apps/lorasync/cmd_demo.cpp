@@ -228,11 +228,13 @@ struct DemoOptions {
   std::string run_dir = "runs/demo";
   std::string cache_dir;  // default: $XDG_CACHE_HOME/lorasync or ~/.cache/lorasync
   bool resume = false;
-  std::int64_t steps = 120;
+  std::int64_t steps = 160;
   std::int64_t eval_problems = 200;
   std::int64_t eval_samples = 2;
   std::int64_t seed = 1;
-  std::int64_t model_steps = 0;  // SFT steps of the base model (0 = make-demo-model's default)
+  std::int64_t model_steps = 0;
+  double lr = 5e-4;
+  std::int64_t max_staleness = 2;  // SFT steps of the base model (0 = make-demo-model's default)
 };
 
 std::string progress_bar(double frac, int width) {
@@ -351,9 +353,9 @@ int run_demo(const DemoOptions& o) {
       << "\nmax_prompt_tokens = 200\n"
       << "[generation]\nserver_url = \"" << url << "\"\nmax_new_tokens = " << max_new << "\ncontext_len = 512\nserver_wait_s = 60\n"
       << "[grpo]\nnum_generations = " << G << "\nold_policy = \"recompute\"\ntis_cap = 2.0\nloss_agg = \"seq_sum_const\"\n"
-      << "[async]\nmax_inflight = 64\nqueue_maxsize = 128\nscore_workers = 2\nmax_staleness = 2\n"
+      << "[async]\nmax_inflight = 64\nqueue_maxsize = 128\nscore_workers = 2\nmax_staleness = " << o.max_staleness << "\n"
       << "[batching]\nsamples_per_step = 32\nrow_tokens = 4096\nlogits_chunk = 512\n"
-      << "[optimizer]\nlr = 2e-3\nmax_grad_norm = 1.0\n"
+      << "[optimizer]\nlr = " << o.lr << "\nmax_grad_norm = 1.0\n"
       << "[sync]\nweight_sync_steps = 2\nadapter_retry_interval = 0.1\n"
       << "[checkpoint]\nsave_steps = 5\n"
       << "[logging]\nmetrics_port = 0\nlog_every = 1\n";
@@ -500,6 +502,8 @@ void register_demo(CLI::App& root, Registry& reg) {
   sub->add_option("--eval-problems", o->eval_problems, "held-out problems evaluated")->capture_default_str();
   sub->add_option("--eval-samples", o->eval_samples, "samples per held-out problem")->capture_default_str();
   sub->add_option("--seed", o->seed, "seed of the base model and the run")->capture_default_str();
+  sub->add_option("--lr", o->lr, "learning rate of the LoRA adapter")->capture_default_str();
+  sub->add_option("--max-staleness", o->max_staleness, "async.max_staleness of the run (weight syncs)")->capture_default_str();
   sub->add_option("--model-steps", o->model_steps, "SFT steps of the base model (0 = default; tests use fewer)")
       ->capture_default_str();
   reg.add(sub, [o]() {
