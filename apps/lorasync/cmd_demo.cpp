@@ -263,7 +263,7 @@ int run_demo(const DemoOptions& o) {
     const char* home = std::getenv("HOME");
     cache = xdg && *xdg ? fs::path(xdg) / "lorasync" : fs::path(home ? home : ".") / ".cache" / "lorasync";
   }
-  const fs::path base = cache / ("demo-model-seed" + std::to_string(o.seed) +
+  const fs::path base = cache / ("demo-model-v2-seed" + std::to_string(o.seed) +
                                  (o.model_steps > 0 ? "-sft" + std::to_string(o.model_steps) : std::string()));
   const fs::path run = fs::absolute(o.run_dir);
   if (!o.resume && fs::exists(run)) fs::remove_all(run);

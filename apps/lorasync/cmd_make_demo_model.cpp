@@ -1,9 +1,8 @@
 // apps/lorasync/cmd_make_demo_model.cpp: `lorasync make-demo-model`, the demo's base model and
 // task (demo/demo_model.h): seeded problems, a small BPE tokenizer, a tiny Qwen2 fine-tuned on
 // worked solutions, held-out accuracy. Progress on stderr, one JSON summary line on stdout.
-#include <nlohmann/json.hpp>
-
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "core/model/runtime.h"
@@ -53,10 +52,11 @@ int run(MakeDemoModelOptions o) {
 void register_make_demo_model(CLI::App& root, Registry& reg) {
   auto o = std::make_shared<MakeDemoModelOptions>();
   auto& d = o->d;
-  auto* sub = root.add_subcommand(
-      "make-demo-model",
-      "make the demo's base model (tiny Qwen2 + BPE tokenizer, SFT on synthetic maths) and task files");
-  sub->add_option("--out", o->out, "output directory (model/, train.jsonl, heldout.jsonl, demo.json)")
+  auto* sub = root.add_subcommand("make-demo-model",
+                                  "make the demo's base model (tiny Qwen2 + BPE tokenizer, SFT on "
+                                  "synthetic maths) and task files");
+  sub->add_option("--out", o->out,
+                  "output directory (model/, train.jsonl, heldout.jsonl, demo.json)")
       ->required();
   sub->add_option("--seed", d.seed, "seed of problems, weights, batch order and evaluation")
       ->capture_default_str();
@@ -64,7 +64,8 @@ void register_make_demo_model(CLI::App& root, Registry& reg) {
   sub->add_option("--heldout-problems", d.heldout_problems, "held-out split size")
       ->capture_default_str();
   sub->add_option("--steps", d.sft.steps, "SFT optimiser steps")->capture_default_str();
-  sub->add_option("--threads", o->threads, "compute threads (0 = all cores)")->capture_default_str();
+  sub->add_option("--threads", o->threads, "compute threads (0 = all cores)")
+      ->capture_default_str();
   sub->add_flag("--overwrite", d.overwrite, "replace an existing output directory");
   // Tuning knobs (the defaults are the demo's).
   auto* g = sub->add_option_group("tuning", "model and SFT settings (defaults are the demo's)");
@@ -79,7 +80,8 @@ void register_make_demo_model(CLI::App& root, Registry& reg) {
   g->add_option("--layers", d.num_layers, "decoder layers")->capture_default_str();
   g->add_option("--heads", d.num_heads, "query heads")->capture_default_str();
   g->add_option("--kv-heads", d.num_kv_heads, "KV heads")->capture_default_str();
-  g->add_option("--init-std", d.init_std, "std of the random initial weights")->capture_default_str();
+  g->add_option("--init-std", d.init_std, "std of the random initial weights")
+      ->capture_default_str();
   g->add_option("--max-new-tokens", d.max_new_tokens, "generation cap of the evaluation")
       ->capture_default_str();
   g->add_option("--system-prompt", d.system_prompt, "system prompt of the chatml prompts")

@@ -3,9 +3,9 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "core/io/checkpoint_dir.h"
 #include "core/model/qwen2_model.h"
@@ -27,15 +27,30 @@ namespace fs = std::filesystem;
 
 void validate(const DemoModelOptions& o) {
   if (o.out.empty()) throw_invalid("an output directory is required");
-  if (o.train_problems < 64) throw_invalid("train problems must be at least 64, got {}", o.train_problems);
-  if (o.heldout_problems < 1) throw_invalid("held-out problems must be at least 1, got {}", o.heldout_problems);
-  if (o.max_new_tokens < 8) throw_invalid("max_new_tokens must be at least 8, got {}", o.max_new_tokens);
+  if (o.train_problems < 64)
+    throw_invalid("train problems must be at least 64, got {}", o.train_problems);
+  if (o.heldout_problems < 1)
+    throw_invalid("held-out problems must be at least 1, got {}", o.heldout_problems);
+  if (o.max_new_tokens < 8)
+    throw_invalid("max_new_tokens must be at least 8, got {}", o.max_new_tokens);
   if (o.vocab_size < 259 || o.vocab_size > 8192)
     throw_invalid("vocab size must be in [259, 8192], got {}", o.vocab_size);
   if (o.num_heads <= 0 || o.hidden_size % o.num_heads != 0)
-    throw_invalid("hidden size {} must be a multiple of the head count {}", o.hidden_size, o.num_heads);
+    throw_invalid("hidden size {} must be a multiple of the head count {}", o.hidden_size,
+                  o.num_heads);
   if (o.num_kv_heads <= 0 || o.num_heads % o.num_kv_heads != 0)
-    throw_invalid("head count {} must be a multiple of the KV head count {}", o.num_heads, o.num_kv_heads);
+    throw_invalid("head count {} must be a multiple of the KV head count {}", o.num_heads,
+                  o.num_kv_heads);
+}
+
+// Staging directories of interrupted runs (`out.staging-*`): one run per output at a time.
+void remove_stale_staging(const fs::path& out) {
+  const fs::path parent = out.has_parent_path() ? out.parent_path() : fs::path(".");
+  const std::string prefix = out.filename().string() + ".staging-";
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) return;
+  for (const auto& e : fs::directory_iterator(parent, ec))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) fs::remove_all(e.path(), ec);
 }
 
 // The BPE corpus: every train prompt and solution, as the model will see them.
@@ -73,8 +88,11 @@ void write_model_dir(const fs::path& dir, const model::Qwen2Model& m, const tok:
   for (auto& [name, t] : m.named_weights()) {
     auto c = t.detach().to(at::kFloat).contiguous();
     keep.push_back(c);
-    ts.push_back({name, io::DType::kF32, c.sizes().vec(),
-                  {static_cast<const std::uint8_t*>(c.data_ptr()), static_cast<std::size_t>(c.nbytes())}});
+    ts.push_back(
+        {name,
+         io::DType::kF32,
+         c.sizes().vec(),
+         {static_cast<const std::uint8_t*>(c.data_ptr()), static_cast<std::size_t>(c.nbytes())}});
   }
   io::write_weights(dir, ts, std::uint64_t{1} << 40);
   const auto& cfg = m.config();
@@ -100,6 +118,7 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
   };
   if (fs::exists(o.out) && !o.overwrite)
     throw_invalid("output {} exists; pass --overwrite to replace it", o.out.string());
+  remove_stale_staging(o.out);
   const double t0 = now_seconds();
   DemoModelResult res;
   res.out = o.out;
@@ -141,15 +160,17 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
   cfg.validate("demo model");
   res.n_params = cfg.n_params();
   at::manual_seed(o.seed);
-  auto model = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, o.seed, at::kFloat, o.init_std),
-                                             at::kFloat, c10::Device(c10::kCPU), "demo model");
+  auto model =
+      model::Qwen2Model::from_named(cfg, model::random_weights(cfg, o.seed, at::kFloat, o.init_std),
+                                    at::kFloat, c10::Device(c10::kCPU), "demo model");
   auto data = sft_examples(tk, train, o.system_prompt, *eos);
   std::int64_t n_prompt = 0, n_completion = 0;
   for (const auto& ex : data) {
     n_prompt += static_cast<std::int64_t>(ex.prompt.size());
     n_completion += static_cast<std::int64_t>(ex.completion.size());
   }
-  log(fmt::format("model: {} params (hidden {}, {} layers); SFT data: {} examples, {:.1f} prompt + "
+  log(
+      fmt::format("model: {} params (hidden {}, {} layers); SFT data: {} examples, {:.1f} prompt + "
                   "{:.1f} completion tokens each",
                   res.n_params, cfg.hidden_size, cfg.num_hidden_layers, data.size(),
                   static_cast<double>(n_prompt) / static_cast<double>(data.size()),
@@ -182,7 +203,8 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
   res.greedy_boxed_rate = static_cast<double>(greedy.n_boxed) / static_cast<double>(greedy.n);
   res.sampled_mean_tokens = sampled.mean_tokens;
   res.eval_seconds = now_seconds() - te;
-  log(fmt::format("held-out ({} problems): sampled accuracy {:.3f} (boxed {:.3f}, {:.1f} tokens), "
+  log(
+      fmt::format("held-out ({} problems): sampled accuracy {:.3f} (boxed {:.3f}, {:.1f} tokens), "
                   "greedy accuracy {:.3f} (boxed {:.3f}) ({:.1f}s)",
                   heldout.size(), res.base_accuracy, res.boxed_rate, sampled.mean_tokens,
                   res.greedy_accuracy, res.greedy_boxed_rate, res.eval_seconds));
@@ -195,7 +217,8 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
     }
     std::string line = "greedy accuracy by kind:";
     for (const auto& [kind, c] : by_kind)
-      line += fmt::format(" {} {:.2f} ({})", kind, static_cast<double>(c.first) / c.second, c.second);
+      line +=
+          fmt::format(" {} {:.2f} ({})", kind, static_cast<double>(c.first) / c.second, c.second);
     log(line);
   }
   for (std::size_t i = 0; i < std::min<std::size_t>(4, heldout.size()); ++i)
@@ -203,29 +226,28 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
                     heldout[i].answer, sampled.completions[i], greedy.completions[i]));
 
   // 5. Files: staging dir, then rename.
-  nlohmann::ordered_json dj = {
-      {"format_version", kDemoFormatVersion},
-      {"seed", o.seed},
-      {"prompt_format", "chatml"},
-      {"system_prompt", o.system_prompt},
-      {"max_new_tokens", o.max_new_tokens},
-      {"base_accuracy", res.base_accuracy},
-      {"greedy_accuracy", res.greedy_accuracy},
-      {"base_boxed_rate", res.boxed_rate},
-      {"eval_temperature", 1.0},
-      {"train_problems", train.size()},
-      {"heldout_problems", heldout.size()},
-      {"p_boxed", o.task.p_boxed},
-      {"vocab_size", res.vocab_size},
-      {"n_params", res.n_params},
-      {"sft_steps", so.steps},
-      {"sft_batch_size", so.batch_size},
-      {"sft_lr", so.lr},
-      {"sft_first_loss", res.sft_first_loss},
-      {"sft_final_loss", res.sft_final_loss},
-      {"model_dir", "model"},
-      {"train_file", "train.jsonl"},
-      {"heldout_file", "heldout.jsonl"}};
+  nlohmann::ordered_json dj = {{"format_version", kDemoFormatVersion},
+                               {"seed", o.seed},
+                               {"prompt_format", "chatml"},
+                               {"system_prompt", o.system_prompt},
+                               {"max_new_tokens", o.max_new_tokens},
+                               {"base_accuracy", res.base_accuracy},
+                               {"greedy_accuracy", res.greedy_accuracy},
+                               {"base_boxed_rate", res.boxed_rate},
+                               {"eval_temperature", 1.0},
+                               {"train_problems", train.size()},
+                               {"heldout_problems", heldout.size()},
+                               {"p_boxed", o.task.p_boxed},
+                               {"vocab_size", res.vocab_size},
+                               {"n_params", res.n_params},
+                               {"sft_steps", so.steps},
+                               {"sft_batch_size", so.batch_size},
+                               {"sft_lr", so.lr},
+                               {"sft_first_loss", res.sft_first_loss},
+                               {"sft_final_loss", res.sft_final_loss},
+                               {"model_dir", "model"},
+                               {"train_file", "train.jsonl"},
+                               {"heldout_file", "heldout.jsonl"}};
   res.demo_json = dj.dump(2) + "\n";
 
   const fs::path parent = o.out.has_parent_path() ? o.out.parent_path() : fs::path(".");

@@ -10,7 +10,8 @@
 //   4. evaluation on the held-out split with the verifier: sampled accuracy at temperature 1.0
 //      (the base accuracy RL starts from) and greedy accuracy;
 //   5. output, built in a staging directory next to `out` and renamed into place, so an
-//      interrupted run never leaves a torn directory under the final name:
+//      interrupted run never leaves a torn directory under the final name (its leftover
+//      `out.staging-*` directory is removed by the next run):
 //        out/model/        config.json, generation_config.json, model.safetensors,
 //                          tokenizer.json, tokenizer_config.json (Hugging Face format)
 //        out/train.jsonl   {"problem", "answer"} rows (the RL prompts)
@@ -37,37 +38,37 @@ constexpr int kDemoFormatVersion = 1;
 extern const char kDemoSystemPrompt[];
 
 struct DemoModelOptions {
-  std::filesystem::path out;              // output directory (must not exist unless overwrite)
-  bool overwrite = false;                 // replace an existing `out`
+  std::filesystem::path out;  // output directory (must not exist unless overwrite)
+  bool overwrite = false;     // replace an existing `out`
   std::uint64_t seed = 1;
-  std::int64_t train_problems = 12000;    // train split size (SFT corpus and RL prompts)
-  std::int64_t heldout_problems = 256;    // held-out split size (evaluation)
+  std::int64_t train_problems = 16000;  // train split size (SFT corpus and RL prompts)
+  std::int64_t heldout_problems = 256;  // held-out split size (evaluation)
   std::string system_prompt = kDemoSystemPrompt;
-  std::int64_t max_new_tokens = 64;       // generation cap for evaluation (and the demo)
-  TaskOptions task;                       // share of boxed solutions in the SFT corpus
+  std::int64_t max_new_tokens = 64;  // generation cap for evaluation (and the demo)
+  TaskOptions task;                  // share of boxed solutions in the SFT corpus
   // Tokenizer and model shape.
-  int vocab_size = 384;                   // total ids, 3 special tokens included
+  int vocab_size = 384;  // total ids, 3 special tokens included
   std::int64_t hidden_size = 128;
-  std::int64_t intermediate_size = 384;
-  std::int64_t num_layers = 3;
-  std::int64_t num_heads = 4;             // query heads of hidden_size / num_heads
+  std::int64_t intermediate_size = 256;
+  std::int64_t num_layers = 2;
+  std::int64_t num_heads = 4;  // query heads of hidden_size / num_heads
   std::int64_t num_kv_heads = 2;
-  double init_std = 0.02;                 // std of the random weight matrices before SFT
-  SftOptions sft;                         // steps, batch, learning rate (seed = seed)
+  double init_std = 0.05;  // std of the random weight matrices (0.02 learns ~3x slower)
+  SftOptions sft;          // steps, batch, learning rate (seed = seed)
 };
 
 struct DemoModelResult {
   std::filesystem::path out;
-  double base_accuracy = 0;     // held-out, sampled at temperature 1.0
-  double greedy_accuracy = 0;   // held-out, greedy
-  double boxed_rate = 0;        // sampled completions with a \boxed{}
+  double base_accuracy = 0;    // held-out, sampled at temperature 1.0
+  double greedy_accuracy = 0;  // held-out, greedy
+  double boxed_rate = 0;       // sampled completions with a \boxed{}
   double greedy_boxed_rate = 0;
   double sampled_mean_tokens = 0;
   double sft_first_loss = 0, sft_final_loss = 0;
   std::int64_t n_params = 0;
   int vocab_size = 0;
   double sft_seconds = 0, eval_seconds = 0, seconds = 0;
-  std::string demo_json;        // the text written to out/demo.json
+  std::string demo_json;  // the text written to out/demo.json
 };
 
 // `log` receives progress lines (no trailing newline). InvalidInput for bad options or an

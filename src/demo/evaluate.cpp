@@ -71,8 +71,10 @@ BatchGeneration generate_batch(const model::Qwen2Model& model,
       pasts[s] += static_cast<std::int64_t>(next[s].size());
       out.ids[s].push_back(t);
       next[s] = {t};
-      if (std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end()) out.stopped[s] = true;
-      else still.push_back(live[j]);
+      if (std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end())
+        out.stopped[s] = true;
+      else
+        still.push_back(live[j]);
     }
     live.swap(still);
   }

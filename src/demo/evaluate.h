@@ -21,21 +21,23 @@
 namespace lorasync::demo {
 
 struct EvalOptions {
-  std::string system_prompt;            // "" = no system message
+  std::string system_prompt;  // "" = no system message
   std::int64_t max_new_tokens = 64;
-  double temperature = 1.0;             // 0 = greedy
-  std::uint64_t seed = 0;               // sampling generator
-  std::int64_t batch_size = 128;        // sequences decoded together
-  std::vector<std::int64_t> stop_ids;   // empty = the tokenizer's eos
+  double temperature = 1.0;            // 0 = greedy
+  std::uint64_t seed = 0;              // sampling generator
+  std::int64_t batch_size = 128;       // sequences decoded together
+  std::vector<std::int64_t> stop_ids;  // empty = the tokenizer's eos
 };
 
 struct EvalResult {
-  std::int64_t n = 0;            // completions graded
+  std::int64_t n = 0;  // completions graded
   std::int64_t n_correct = 0;
   std::int64_t n_boxed = 0;      // completions containing "\boxed{"
   std::int64_t n_truncated = 0;  // cut at max_new_tokens
   double mean_tokens = 0;        // generated tokens per completion
-  double accuracy() const { return n ? static_cast<double>(n_correct) / static_cast<double>(n) : 0; }
+  double accuracy() const {
+    return n ? static_cast<double>(n_correct) / static_cast<double>(n) : 0;
+  }
   std::vector<std::string> completions;  // decoded text, in row order
   std::vector<bool> correct;             // verdict per row
 };

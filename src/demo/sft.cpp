@@ -2,6 +2,7 @@
 #include "demo/sft.h"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,8 +11,8 @@
 
 #include "core/model/logprobs.h"
 #include "rl/optimizer.h"
-#include "util/error.h"
 #include "util/bench_report.h"
+#include "util/error.h"
 
 namespace lorasync::demo {
 
@@ -26,7 +27,8 @@ std::vector<model::LogprobItem> to_items(const std::vector<SftExample>& data,
 }
 
 double lr_at(const SftOptions& o, std::int64_t step) {  // step is 1-based
-  if (step <= o.warmup_steps) return o.lr * static_cast<double>(step) / static_cast<double>(o.warmup_steps);
+  if (step <= o.warmup_steps)
+    return o.lr * static_cast<double>(step) / static_cast<double>(o.warmup_steps);
   const double span = static_cast<double>(std::max<std::int64_t>(1, o.steps - o.warmup_steps));
   const double t = static_cast<double>(step - o.warmup_steps) / span;
   const double floor = o.min_lr_ratio * o.lr;
@@ -109,13 +111,19 @@ SftResult train_sft(model::Qwen2Model& model, const std::vector<SftExample>& dat
     opt_plain.step(lr);
 
     const double l = loss.item<double>();
+    if (!std::isfinite(l) || !std::isfinite(gnorm))
+      throw Error(ErrorKind::kInternal,
+                  fmt::format("SFT diverged at step {} (loss {}, gradient norm {}); lower the "
+                              "learning rate ({})",
+                              step, l, gnorm, lr));
     if (step == 1) res.first_loss = l;
     tail.push_back(l);
     if (tail.size() > 10) tail.erase(tail.begin());
     res.n_tokens += packed.logprobs.size(0);
     if (on_step) on_step({step, l, lr, gnorm, now_seconds() - t0});
   }
-  res.final_loss = std::accumulate(tail.begin(), tail.end(), 0.0) / static_cast<double>(tail.size());
+  res.final_loss =
+      std::accumulate(tail.begin(), tail.end(), 0.0) / static_cast<double>(tail.size());
   res.seconds = now_seconds() - t0;
   return res;
 }
@@ -128,7 +136,8 @@ double sft_loss(const model::Qwen2Model& model, const std::vector<SftExample>& d
   std::int64_t n = 0;
   for (std::size_t s = 0; s < data.size(); s += static_cast<std::size_t>(batch_size)) {
     std::vector<std::size_t> idx;
-    for (std::size_t i = s; i < std::min(data.size(), s + static_cast<std::size_t>(batch_size)); ++i)
+    for (std::size_t i = s; i < std::min(data.size(), s + static_cast<std::size_t>(batch_size));
+         ++i)
       idx.push_back(i);
     auto packed = model::packed_logprobs(model, nullptr, to_items(data, idx), 1.0);
     sum += -packed.logprobs.sum().item<double>();

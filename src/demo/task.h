@@ -1,7 +1,8 @@
 // demo/task.h: the demo's synthetic maths task, generated deterministically from a seed.
 //
-// Four kinds of problems with exact answers, small enough for a ~1M-parameter model to learn:
-//   expr      "Compute 23 + 8 × 4."            2-3 operands of +, -, × (× binds tighter)
+// Four kinds of problems with exact answers, small enough for a ~0.35M-parameter model to learn
+// in a minute or two of CPU SFT:
+//   expr      "Compute 13 + 8 × 4."            2-3 operands of +, -, × (× binds tighter)
 //   word      "Mia has 12 apples. ..."        one or two operations in a short story
 //   equation  "Solve for x: 3x + 5 = 20."     x + b = c, ax = c, ax + b = c
 //   fraction  "Compute 2/9 + 5/9." / "What is 2/3 of 27?"
@@ -39,11 +40,11 @@ struct TaskOptions {
 };
 
 struct TaskRow {
-  std::string kind;        // "expr", "word", "equation", "fraction"
-  std::string problem;     // the question (JSONL "problem")
-  std::string answer;      // reference answer (JSONL "answer"): "64", "\frac{5}{7}"
-  std::string final_value; // how the solution writes the result: "64", "7/9"
-  std::string steps;       // worked steps, one line, without the final statement
+  std::string kind;         // "expr", "word", "equation", "fraction"
+  std::string problem;      // the question (JSONL "problem")
+  std::string answer;       // reference answer (JSONL "answer"): "64", "\frac{5}{7}"
+  std::string final_value;  // how the solution writes the result: "64", "7/9"
+  std::string steps;        // worked steps, one line, without the final statement
   FinalStyle style = FinalStyle::kBoxed;
 
   // steps + "\n" + the final statement in `style`.

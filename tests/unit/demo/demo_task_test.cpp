@@ -1,10 +1,10 @@
 // tests/unit/demo/demo_task_test.cpp: the demo task generator, its tokenization and a tiny SFT.
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <set>
 
+#include "core/model/logprobs.h"
 #include "core/model/qwen2_model.h"
 #include "core/model/runtime.h"
 #include "core/tokenizer/bpe_trainer.h"
@@ -16,6 +16,7 @@
 #include "demo/task.h"
 #include "reward/grade.h"
 #include "util/error.h"
+#include "util/files.h"
 
 namespace lorasync::demo {
 namespace {
@@ -79,7 +80,8 @@ TEST(DemoTask, BadCountsAreInvalidInput) {
 
 struct Tiny {
   tok::TrainedBpe bpe;
-  tok::Tokenizer tk = tok::Tokenizer::from_json(R"({"model":{"type":"BPE","vocab":{},"merges":[]}})");
+  tok::Tokenizer tk =
+      tok::Tokenizer::from_json(R"({"model":{"type":"BPE","vocab":{},"merges":[]}})");
   std::vector<TaskRow> rows;
 };
 
@@ -187,6 +189,8 @@ TEST(DemoModel, WritesTheDirectoryAtomically) {
   o.max_new_tokens = 8;
   o.sft.steps = 2;
   o.sft.batch_size = 8;
+  // A staging directory left by an interrupted run is cleaned up.
+  fs::create_directories(dir.path() / "demo.staging-dead" / "model");
   auto r = make_demo_model(o);
   for (const char* f : {"model/config.json", "model/model.safetensors", "model/tokenizer.json",
                         "model/tokenizer_config.json", "model/generation_config.json",
