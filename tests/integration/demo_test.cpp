@@ -1,4 +1,4 @@
-// `lorasync demo` end to end with a shortened schedule (few SFT steps, 8 GRPO steps, a small
+// `lorasync demo` end to end with a shortened schedule (few SFT steps, 40 GRPO steps, a small
 // held-out set): every child process starts and talks over the real protocols, Ctrl-C (SIGINT)
 // stops the trainer with a checkpoint (exit 130), `--resume` continues the same run to the end,
 // and the summary, eval results and report are written. The quality bar of the full demo is
@@ -27,7 +27,7 @@ using testing::read_jsonl;
 TEST(Demo, InterruptedRunResumesAndWritesTheReport) {
   TempDir dir("lorasync-demo-it");
   const fs::path run = dir.path() / "run", cache = dir.path() / "cache";
-  const std::vector<std::string> common = {"--run-dir", run.string(), "--cache-dir", cache.string(), "--steps", "8",
+  const std::vector<std::string> common = {"--run-dir", run.string(), "--cache-dir", cache.string(), "--steps", "40",
                                            "--eval-problems", "16", "--eval-samples", "1", "--model-steps", "40"};
   {
     std::vector<std::string> argv = {LORASYNC_BINARY, "demo"};
@@ -49,7 +49,7 @@ TEST(Demo, InterruptedRunResumesAndWritesTheReport) {
   auto r = testing::run_lorasync("demo --resume" + args);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto metrics = read_jsonl(run / "metrics.jsonl");
-  ASSERT_EQ(metrics.size(), 8u);
+  ASSERT_EQ(metrics.size(), 40u);
   for (std::size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i]["step"], static_cast<int>(i) + 1);
   EXPECT_EQ(metrics.back()["restarts"], 1);
   EXPECT_EQ(metrics.back()["rollout/failed_total"], 0);
