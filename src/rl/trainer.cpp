@@ -174,6 +174,7 @@ class Trainer {
   // ---- training
   void train_step(std::vector<Group>& groups, json& m);
   std::vector<Group> assemble_step(double& wait_s);
+  std::vector<Group> assemble_step_into(std::vector<Group>& groups, double& wait_s);
   void write_checkpoint_now(std::vector<Group> partial, bool final_ckpt);
   void restore_from(const fs::path& dir);
   void emit_metrics(json& m);
@@ -570,14 +571,20 @@ void Trainer::start_sync(std::int64_t step, const model::LoraAdapter* snapshot) 
 
 std::vector<Group> Trainer::assemble_step(double& wait_s) {
   std::vector<Group> groups;
+  try {
+    return assemble_step_into(groups, wait_s);
+  } catch (...) {
+    pipe_->unpop(std::move(groups));  // a partial step returns to the queue (and to a checkpoint)
+    throw;
+  }
+}
+
+std::vector<Group> Trainer::assemble_step_into(std::vector<Group>& groups, double& wait_s) {
   std::int64_t samples = 0;
   const double t0 = now_s();
   for (;;) {
     while (samples < cfg_.batching.samples_per_step) {
-      if (g_stop_signal.load()) {
-        pipe_->unpop(std::move(groups));
-        throw Preempted{};
-      }
+      if (g_stop_signal.load()) throw Preempted{};
       if (auto f = pipe_->fatal()) throw Error(ErrorKind::kInvalidInput, *f);
       {
         std::lock_guard lk(sync_mu_);
@@ -615,7 +622,7 @@ std::vector<Group> Trainer::assemble_step(double& wait_s) {
     if (!dropped || pipe_->exhausted()) break;
   }
   wait_s = now_s() - t0;
-  return groups;
+  return std::move(groups);
 }
 
 void Trainer::train_step(std::vector<Group>& groups, json& m) {

@@ -1,0 +1,130 @@
+// `lorasync train` against a scripted fake server (trainer.md §9 "Faults"): a server that answers
+// 503, loses an adapter (404 naming a version the trainer still has loaded), sends responses whose
+// provenance does not match the manifest, and finally refuses every request with a permanent 400.
+// Expected: retries and rejections are counted and the run goes on; the permanent 400 stops the
+// trainer with exit 1, the server's message and a checkpoint.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include "http/server.h"
+#include "util/files.h"
+#include "util/jsonl.h"
+#include "util/run_command.h"
+
+namespace lorasync {
+namespace {
+
+using nlohmann::json;
+
+// The fake: adapters are "loaded" by reading their manifest; completions are scripted by count.
+class FakeServer {
+ public:
+  explicit FakeServer(int fail_after) : fail_after_(fail_after) {
+    http::ServerOptions o;
+    server_ = std::make_unique<http::Server>(o, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
+      http::Response r = handle(req);
+      co_await w.send(std::move(r));
+    });
+    server_->start();
+  }
+  ~FakeServer() { server_->stop(1.0); }
+  std::uint16_t port() const { return server_->port(); }
+  int completions() const { return completions_.load(); }
+
+ private:
+  http::Response handle(const http::Request& req) {
+    const std::string path(req.path());
+    std::lock_guard lk(mu_);
+    if (path == "/health") return http::json_response(200, "{}");
+    if (path == "/server_info")
+      return http::json_response(200, json{{"model", "tiny"}, {"dtype", "float32"}, {"max_model_len", 2048},
+                                           {"lora_config", {{"max_loras", 8}, {"max_lora_rank", 16}}},
+                                           {"parallel_config", {{"data_parallel_size", 1}}}}
+                                          .dump());
+    if (path == "/v1/models") {
+      json data = json::array({{{"id", "tiny"}}});
+      for (const auto& [n, sha] : loaded_) data.push_back({{"id", n}});
+      return http::json_response(200, json{{"data", data}}.dump());
+    }
+    json body = json::parse(req.body, nullptr, false);
+    if (path == "/v1/load_lora_adapter") {
+      const std::string dir = body["lora_path"];
+      auto m = json::parse(read_file(fs::path(dir) / "manifest.json"));
+      loaded_[body["lora_name"]] = m["adapter_sha256"];
+      return http::json_response(200, "\"ok\"");
+    }
+    if (path == "/v1/unload_lora_adapter") {
+      loaded_.erase(body["lora_name"].get<std::string>());
+      return http::json_response(200, "\"ok\"");
+    }
+    if (path != "/v1/completions") return http::json_response(404, "{}");
+    const int i = ++completions_;
+    if (i > fail_after_)
+      return http::json_response(400, R"x({"error":{"message":"max_tokens is too large for this deployment (scripted)"}})x");
+    if (i % 5 == 2) return http::json_response(503, R"({"error":{"message":"overloaded"}})");
+    const std::string model = body["model"];
+    if (i % 7 == 3) return http::json_response(404, json{{"error", {{"message", "The model `" + model + "` does not exist."}}}}.dump());
+    json choices = json::array();
+    for (int k = 0; k < body["n"].get<int>(); ++k)
+      choices.push_back({{"index", k}, {"text", "x"}, {"finish_reason", "stop"}, {"token_ids", {10 + k, 11, 12}},
+                         {"logprobs", {{"token_logprobs", {-1.0, -0.5 - 0.1 * k, -0.25}}}}});
+    std::string sha = loaded_.count(model) ? loaded_[model] : "";
+    if (i % 11 == 4) sha = std::string(64, '0');  // provenance that does not match the manifest
+    return http::json_response(200, json{{"model", model}, {"choices", choices},
+                                         {"lorasync", {{"adapter", model}, {"adapter_sha256", sha}}}}
+                                        .dump());
+  }
+
+  std::mutex mu_;
+  std::map<std::string, std::string> loaded_;
+  std::atomic<int> completions_{0};
+  int fail_after_;
+  std::unique_ptr<http::Server> server_;
+};
+
+TEST(TrainFaults, RetriesRejectsAndStopsOnAPermanent400WithACheckpoint) {
+  TempDir dir("lorasync-train-faults");
+  const fs::path model = dir.path() / "tiny", out = dir.path() / "run";
+  auto r = testing::run_lorasync("init-model --preset tiny --seed 5 --init-std 0.1 --tokenizer " +
+                                 testing::shell_quote(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer") +
+                                 " --output " + testing::shell_quote(model.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  {
+    std::ofstream f(dir.path() / "train.jsonl");
+    for (int i = 0; i < 12; ++i) f << json{{"problem", "What is " + std::to_string(i) + " + 1?"}, {"answer", std::to_string(i + 1)}}.dump() << "\n";
+  }
+  FakeServer fake(/*fail_after=*/60);
+  std::ofstream(dir.path() / "t.toml")
+      << "output_dir = \"" << out.string() << "\"\nmax_steps = 50\n"
+      << "[model]\npath = \"" << model.string() << "\"\nserved_name = \"tiny\"\ndevice = \"cpu\"\ndtype = \"fp32\"\nthreads = 1\n"
+      << "[lora]\nrank = 4\nalpha = 8.0\n[data]\nmax_prompt_tokens = 200\ntrain_file = \"" << (dir.path() / "train.jsonl").string() << "\"\n"
+      << "[generation]\nserver_url = \"http://127.0.0.1:" << fake.port() << "\"\nmax_new_tokens = 8\ncontext_len = 1024\nserver_wait_s = 10\n"
+      << "[grpo]\nnum_generations = 4\n[async]\nmax_inflight = 8\nqueue_maxsize = 32\nscore_workers = 1\nmax_staleness = 1\n"
+      << "retry_backoff_s = 0.01\nretry_backoff_max_s = 0.05\nmax_retries = 8\n"
+      << "[batching]\nsamples_per_step = 8\nrow_tokens = 2048\n[sync]\nweight_sync_steps = 2\n"
+      << "[checkpoint]\nsave_steps = 100\n[logging]\nmetrics_port = 0\n";
+  r = testing::run_lorasync("train --config " + testing::shell_quote((dir.path() / "t.toml").string()));
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("HTTP 400"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("too large for this deployment"), std::string::npos) << r.err;
+  EXPECT_GE(fake.completions(), 61);
+  auto metrics = testing::read_jsonl(out / "metrics.jsonl");
+  ASSERT_GE(metrics.size(), 3u) << r.err;
+  const auto& last = metrics.back();
+  EXPECT_GT(last["rollout/retry_total"].get<int>(), 0);             // 503s and 404s of loaded versions
+  EXPECT_GT(last["rollout/invalid_response_total"].get<int>(), 0);  // sha256 differs from the manifest
+  EXPECT_EQ(last["rollout/failed_total"], 0);
+  // Exit 1 after a checkpoint at the last completed step.
+  const std::string latest = read_file(out / "checkpoints" / "latest");
+  EXPECT_EQ(latest, fmt::format("step-{:06d}\n", metrics.back()["step"].get<int>()));
+}
+
+}  // namespace
+}  // namespace lorasync
