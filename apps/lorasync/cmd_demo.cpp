@@ -421,12 +421,12 @@ int run_demo(const DemoOptions& o) {
   const std::size_t n = ms.size();
   const double r_first = mean_of(ms, "reward", 0, std::min<std::size_t>(10, n));
   const double r_last = mean_of(ms, "reward", n >= 10 ? n - 10 : 0, n);
-  double stale_max = 0, sync_sum = 0, tok_s = 0, ratio_min = 1e9, ratio_max = -1e9, mismatch_max = 0;
+  double stale_max = 0, tok_s = 0, ratio_min = 1e9, ratio_max = -1e9, mismatch_max = 0;
   int syncs = 0;
   std::vector<double> sync_times;
   for (const auto& m : ms) {
     stale_max = std::max(stale_max, m.value("sample/staleness_max", 0.0));
-    if (m.contains("perf/weight_sync_s")) sync_times.push_back(m["perf/weight_sync_s"].get<double>()), sync_sum += sync_times.back(), ++syncs;
+    if (m.contains("perf/weight_sync_s")) sync_times.push_back(m["perf/weight_sync_s"].get<double>()), ++syncs;
     ratio_min = std::min(ratio_min, m.value("ratio", 1.0));
     ratio_max = std::max(ratio_max, m.value("ratio", 1.0));
     mismatch_max = std::max(mismatch_max, m.value("mismatch/kl", 0.0));

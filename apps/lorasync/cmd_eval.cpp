@@ -191,17 +191,6 @@ struct ServerRun {
   std::string failure;      // first error; stops dispatch
 };
 
-std::string error_message_of(const std::string& body) {
-  auto j = json::parse(body, nullptr, false);
-  if (j.is_object() && j.contains("error")) {
-    const json& e = j["error"];
-    if (e.is_object() && e.contains("message") && e["message"].is_string())
-      return e["message"].get<std::string>();
-    if (e.is_string()) return e.get<std::string>();
-  }
-  return body.size() > 300 ? body.substr(0, 300) + "..." : body;
-}
-
 // Grades one response; "" on success, else what is wrong with it.
 std::string score_response(ServerRun& run, const rl::Problem& p, const std::string& body) {
   auto j = json::parse(body, nullptr, false);
@@ -262,7 +251,7 @@ http::Task<void> server_worker(ServerRun& run) {
     }
     if (f.status != 200) {
       run.failure = fmt::format("server {} answered {} for problem {}: {}", run.pool.url().str(),
-                                f.status, p.index, error_message_of(f.body));
+                                f.status, p.index, http::error_message_of(f.body));
       co_return;
     }
     std::string bad;

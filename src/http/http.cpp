@@ -91,6 +91,16 @@ Response error_response(int status, std::string_view message, std::string_view p
   return json_response(status, openai_error_json(status, message, param, type));
 }
 
+std::string error_message_of(std::string_view body) {
+  auto j = nlohmann::json::parse(body, nullptr, false);
+  if (j.is_object() && j.contains("error")) {
+    const nlohmann::json& e = j["error"];
+    if (e.is_object() && e.contains("message") && e["message"].is_string()) return e["message"].get<std::string>();
+    if (e.is_string()) return e.get<std::string>();
+  }
+  return body.size() > 300 ? std::string(body.substr(0, 300)) + "..." : std::string(body);
+}
+
 Response json_response(int status, std::string body) {
   Response r;
   r.status = status;

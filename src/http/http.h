@@ -68,6 +68,9 @@ std::string openai_error_json(int status, std::string_view message, std::string_
 Response error_response(int status, std::string_view message, std::string_view param = {},
                         std::string_view type = {});
 Response json_response(int status, std::string body);
+// The message of an error body ({"error": {"message": ...}} or {"error": "..."}), else the body
+// itself, cut to 300 characters.
+std::string error_message_of(std::string_view body);
 
 // Headers that never cross a proxy (RFC 9110 §7.6.1) plus every name listed in `Connection`.
 bool is_hop_by_hop(std::string_view name);

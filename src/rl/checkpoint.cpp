@@ -111,8 +111,8 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const CheckpointData&
             torch::from_blob(const_cast<std::int32_t*>(m.ids.data()), {static_cast<std::int64_t>(m.ids.size())}, torch::kInt32));
       q.add(fmt::format("g{}.m{}.lp", gi, mi),
             torch::from_blob(const_cast<float*>(m.logprobs.data()), {static_cast<std::int64_t>(m.logprobs.size())}, torch::kFloat32));
-      members.push_back({{"finish", m.finish}, {"reward", m.valid ? json(m.reward) : json(nullptr)}, {"parts", m.parts},
-                         {"advantage", m.advantage}, {"valid", m.valid}});
+      members.push_back({{"finish", m.finish}, {"reward", m.valid() ? json(m.reward) : json(nullptr)}, {"parts", m.parts},
+                         {"advantage", m.advantage}});
     }
     groups.push_back({{"prompt", {g.prompt.index, g.prompt.epoch, g.prompt.attempt}}, {"version", g.version},
                       {"sync_index", g.sync_index}, {"seq", g.seq}, {"scored", g.scored}, {"request_s", g.request_s},
@@ -187,9 +187,9 @@ std::optional<fs::path> find_resume_checkpoint(const fs::path& checkpoints_dir) 
   return std::nullopt;
 }
 
-CheckpointData read_checkpoint(const fs::path& dir) {
+CheckpointData read_checkpoint(const fs::path& dir, bool verified) {
   std::string why;
-  if (!checkpoint_complete(dir, &why)) throw_invalid("checkpoint {} is incomplete: {}", dir.string(), why);
+  if (!verified && !checkpoint_complete(dir, &why)) throw_invalid("checkpoint {} is incomplete: {}", dir.string(), why);
   CheckpointData d;
   d.state = json::parse(read_file(dir / "state.json"));
   if (d.state.value("format", "") != kFormat)
@@ -235,7 +235,6 @@ CheckpointData read_checkpoint(const fs::path& dir) {
         m.ids.assign(ids.data_ptr<std::int32_t>(), ids.data_ptr<std::int32_t>() + ids.numel());
         m.logprobs.assign(lp.data_ptr<float>(), lp.data_ptr<float>() + lp.numel());
         m.finish = jm.at("finish").get<std::string>();
-        m.valid = jm.at("valid").get<bool>();
         m.reward = jm.at("reward").is_null() ? std::nan("") : jm.at("reward").get<double>();
         m.parts = jm.at("parts").get<std::vector<double>>();
         m.advantage = jm.at("advantage").get<double>();

@@ -41,8 +41,9 @@ std::filesystem::path write_checkpoint(const std::filesystem::path& checkpoints_
 bool checkpoint_complete(const std::filesystem::path& dir, std::string* why = nullptr);
 // `latest` when complete, else the newest complete step-*; nullopt when none.
 std::optional<std::filesystem::path> find_resume_checkpoint(const std::filesystem::path& checkpoints_dir);
-// Reads everything but the adapter (loaded by the caller from adapter_dir).
-CheckpointData read_checkpoint(const std::filesystem::path& dir);
+// Reads everything but the adapter (loaded by the caller from adapter_dir). Checks the files
+// against the manifest first unless the caller already did (checkpoint_complete).
+CheckpointData read_checkpoint(const std::filesystem::path& dir, bool verified = false);
 // Removes .staging-* leftovers; returns how many.
 int remove_checkpoint_staging(const std::filesystem::path& checkpoints_dir);
 

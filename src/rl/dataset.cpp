@@ -4,6 +4,8 @@
 // the line.
 #include "rl/dataset.h"
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 #include <string_view>
@@ -171,6 +173,12 @@ Dataset load_dataset(const std::filesystem::path& jsonl, const tok::Tokenizer& t
     throw_invalid("{}: all {} prompts are longer than {} = {} tokens", where, d.n_rows,
                   opt.max_prompt_tokens_setting, opt.max_prompt_tokens);
   return d;
+}
+
+const Problem* find_problem(const Dataset& data, std::int64_t index) {
+  auto it = std::lower_bound(data.problems.begin(), data.problems.end(), index,
+                             [](const Problem& p, std::int64_t i) { return p.index < i; });
+  return it != data.problems.end() && it->index == index ? &*it : nullptr;
 }
 
 }  // namespace lorasync::rl

@@ -57,6 +57,9 @@ struct Dataset {
   std::string file;               // the path loaded
 };
 
+// The problem with this index (problems are in index order), or null.
+const Problem* find_problem(const Dataset& data, std::int64_t index);
+
 // The prompt text of one problem. InvalidInput naming prompt_format_setting for an unknown format.
 std::string render_prompt(const std::string& problem, const DatasetOptions& opt);
 

@@ -52,7 +52,7 @@ double Group::mean_reward() const {
   double s = 0;
   std::int64_t n = 0;
   for (const auto& m : members)
-    if (m.valid) s += m.reward, ++n;
+    if (m.valid()) s += m.reward, ++n;
   return n ? s / static_cast<double>(n) : 0.0;
 }
 
@@ -150,8 +150,7 @@ struct Pipeline::Impl {
   }
 
   // A dropped, cancelled or failed prompt goes to the front of the dispatch order, or is abandoned.
-  void requeue_locked(const PromptRef& p, const Group* g, const char* why) {
-    (void)why;
+  void requeue_locked(const PromptRef& p, const Group* g) {
     if (opt.cfg.async.requeue_dropped && p.attempt < opt.cfg.async.max_prompt_attempts) {
       cursor.redo.push_front({p.index, p.epoch, p.attempt + 1});
       return;
@@ -214,11 +213,9 @@ struct Pipeline::Impl {
   }
 
   const Problem& problem(std::int64_t index) const {
-    // problems are sorted by index (dataset order); indices may have gaps
-    auto it = std::lower_bound(data.problems.begin(), data.problems.end(), index,
-                               [](const Problem& p, std::int64_t i) { return p.index < i; });
-    LS_CHECK(it != data.problems.end() && it->index == index, "unknown prompt index");
-    return *it;
+    const Problem* p = find_problem(data, index);
+    LS_CHECK(p, "unknown prompt index");
+    return *p;
   }
 
   std::string request_body(const PromptRef& p, const std::string& model_name) const {
@@ -339,7 +336,7 @@ struct Pipeline::Impl {
           ++counters["rollout/cancelled_stale_total"];
           emit({"cancelled", f.prompt, it->second.version, versions.count(it->second.version) ? versions[it->second.version].sync_index : 0,
                 staleness_locked(versions.count(it->second.version) ? versions[it->second.version].sync_index : 0), 0, 0});
-          requeue_locked(f.prompt, nullptr, "cancelled");
+          requeue_locked(f.prompt, nullptr);
           inflight_seqs -= G();
           inflight.erase(id);
           cv_trainer.notify_all();
@@ -393,7 +390,7 @@ struct Pipeline::Impl {
           ++counters["rollout/failed_total"];
           LS_LOG_WARN("trainer", "rollout of prompt {} failed after {} retries: {}", f.prompt.index, a.max_retries, why);
           emit({"failed", f.prompt, inflight[id].version, 0, 0, 0, 0});
-          requeue_locked(f.prompt, nullptr, "failed");
+          requeue_locked(f.prompt, nullptr);
           inflight_seqs -= G();
           inflight.erase(id);
           cv_trainer.notify_all();
@@ -479,7 +476,6 @@ struct Pipeline::Impl {
             ++timeouts;
           }
         }
-        m.valid = std::isfinite(m.reward);
         rewards.push_back(m.reward);
       }
       auto adv = group_advantages(rewards, adv_mode);
@@ -492,7 +488,7 @@ struct Pipeline::Impl {
         active.erase(key);
         emit({"failed", g.prompt, g.version, g.sync_index, staleness_locked(g.sync_index), g.tokens(), g.mean_reward()});
         ++counters["rollout/failed_total"];
-        requeue_locked(g.prompt, &g, "nan rewards");
+        requeue_locked(g.prompt, &g);
         continue;
       }
       for (std::size_t i = 0; i < g.members.size(); ++i) g.members[i].advantage = adv->advantages[i];
@@ -634,11 +630,10 @@ void Pipeline::drop_stale(const Group& g, std::int64_t staleness) {
   std::lock_guard lk(I.mu);
   I.counters["sample/dropped_stale_total"] += static_cast<std::int64_t>(g.members.size());
   I.emit({"dropped_stale", g.prompt, g.version, g.sync_index, staleness, g.tokens(), g.mean_reward()});
-  I.requeue_locked(g.prompt, &g, "stale");
+  I.requeue_locked(g.prompt, &g);
 }
 
-void Pipeline::record_trained(const std::vector<Group>& groups, std::int64_t step) {
-  (void)step;
+void Pipeline::record_trained(const std::vector<Group>& groups) {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   for (const auto& g : groups) {
@@ -684,7 +679,7 @@ void Pipeline::switch_to(std::int64_t version) {
       const Group& g = it->second;
       I.counters["sample/dropped_stale_total"] += static_cast<std::int64_t>(g.members.size());
       I.emit({"dropped_stale", g.prompt, g.version, g.sync_index, s, g.tokens(), g.mean_reward()});
-      I.requeue_locked(g.prompt, &g, "stale");
+      I.requeue_locked(g.prompt, &g);
       I.queued_samples -= static_cast<std::int64_t>(g.members.size());
       it = I.queue.erase(it);
     } else {
@@ -713,11 +708,6 @@ std::optional<VersionInfo> Pipeline::current() const {
   auto it = impl_->versions.find(impl_->current);
   if (it == impl_->versions.end()) return std::nullopt;
   return it->second;
-}
-
-void Pipeline::forget_version(std::int64_t v) {
-  std::lock_guard lk(impl_->mu);
-  impl_->versions.erase(v);
 }
 
 PipelineState Pipeline::capture() const {

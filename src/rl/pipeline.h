@@ -12,6 +12,7 @@
 // Thread-safety: every public member is thread-safe.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -46,7 +47,7 @@ struct Member {
   double reward = 0;
   std::vector<double> parts;      // per reward function
   double advantage = 0;
-  bool valid = true;              // false: reward was NaN
+  bool valid() const { return std::isfinite(reward); }  // false: a reward function failed (NaN)
 };
 
 struct Group {
@@ -127,7 +128,7 @@ class Pipeline {
   void unpop(std::vector<Group> groups);
   // Drop a group as stale (counted; requeued or abandoned).
   void drop_stale(const Group& g, std::int64_t staleness);
-  void record_trained(const std::vector<Group>& groups, std::int64_t step);
+  void record_trained(const std::vector<Group>& groups);
   std::int64_t staleness_of(const Group& g) const;
   bool exhausted() const;  // data.epochs reached and nothing left anywhere
 
@@ -138,7 +139,6 @@ class Pipeline {
   bool in_flight_uses(std::int64_t version) const;
   std::optional<VersionInfo> version(std::int64_t v) const;
   std::optional<VersionInfo> current() const;
-  void forget_version(std::int64_t v);  // no longer valid for responses
 
   // Snapshot for a checkpoint (one critical section).
   PipelineState capture() const;

@@ -133,16 +133,6 @@ TrainConfig with_operational(TrainConfig base, const TrainConfig& from) {
 
 namespace {
 
-std::string body_message(const std::string& body) {
-  json j = json::parse(body, nullptr, false);
-  if (!j.is_discarded() && j.is_object() && j.contains("error")) {
-    const auto& e = j["error"];
-    if (e.is_object() && e.contains("message") && e["message"].is_string()) return e["message"].get<std::string>();
-    if (e.is_string()) return e.get<std::string>();
-  }
-  return body.substr(0, 400);
-}
-
 class Trainer {
  public:
   explicit Trainer(const TrainArgs& args) : args_(args) {}
@@ -175,7 +165,7 @@ class Trainer {
   void train_step(std::vector<Group>& groups, json& m);
   std::vector<Group> assemble_step(double& wait_s);
   std::vector<Group> assemble_step_into(std::vector<Group>& groups, double& wait_s);
-  void write_checkpoint_now(std::vector<Group> partial, bool final_ckpt);
+  void write_checkpoint_now(bool final_ckpt);
   void restore_from(const fs::path& dir);
   void emit_metrics(json& m);
   void console(const json& m);
@@ -208,7 +198,7 @@ class Trainer {
   double loss_scale_ = 1.0;
   std::int64_t clean_steps_ = 0;
   std::map<std::int64_t, model::LoraAdapter> version_adapters_;  // window, for recompute
-  std::optional<std::int64_t> pending_sync_index_;               // restored pending sync
+  std::optional<std::int64_t> pending_sync_version_;               // restored pending sync
 
   // Sync thread state.
   std::thread sync_thread_;
@@ -245,17 +235,20 @@ void Trainer::resolve_config() {
     TrainConfig requested;
     bool have_requested = !args_.config_path.empty() || !args_.overrides.empty();
     if (have_requested) requested = TrainConfig::load(args_.config_path, args_.overrides);
-    const std::string out_dir = args_.resume_dir.empty() ? (have_requested ? requested.output_dir : "") : "";
-    if (!args_.resume_dir.empty()) dir = args_.resume_dir;
-    else if (!out_dir.empty()) {
-      auto found = find_resume_checkpoint(fs::path(out_dir) / "checkpoints");
-      if (!found) refuse("--resume: no complete checkpoint under " + (fs::path(out_dir) / "checkpoints").string());
+    // The checkpoint is verified against its manifest once, here (find_resume_checkpoint checks
+    // what it returns); restore_from reads it without hashing the files again.
+    if (!args_.resume_dir.empty()) {
+      dir = args_.resume_dir;
+      std::string why;
+      if (!checkpoint_complete(dir, &why)) refuse("--resume " + dir.string() + ": checkpoint is incomplete (" + why + ")");
+    } else if (have_requested) {
+      const fs::path ckpts = fs::path(requested.output_dir) / "checkpoints";
+      auto found = find_resume_checkpoint(ckpts);
+      if (!found) refuse("--resume: no complete checkpoint under " + ckpts.string());
       dir = *found;
     } else {
       refuse("--resume needs --config (to find output_dir) or a checkpoint directory");
     }
-    std::string why;
-    if (!checkpoint_complete(dir, &why)) refuse("--resume " + dir.string() + ": checkpoint is incomplete (" + why + ")");
     json st = json::parse(read_file(dir / "state.json"));
     TrainConfig stored = TrainConfig::parse(st.at("config_toml").get<std::string>(), (dir / "state.json").string());
     if (have_requested) {
@@ -312,7 +305,7 @@ void Trainer::load_model_and_data() {
   if (device_.is_cpu()) model::set_compute_threads(threads);
   const fs::path mp = cfg_.model.path;
   if (!fs::exists(mp / "config.json")) refuse("model.path " + mp.string() + ": no config.json (expected a local Hugging Face directory)");
-  tokenizer_ = tok::Tokenizer::load(fs::exists(mp / "tokenizer.json") ? mp : mp);
+  tokenizer_ = tok::Tokenizer::load(mp);
   model_ = model::Qwen2Model::load(mp, dtype, device_);
   base_sha_ = io::model_identity_sha256(mp);
   DatasetOptions dopt;
@@ -365,7 +358,7 @@ void Trainer::wait_for_server() {
     if (r.status == 200) return;
     if (r.status == 401 || r.status == 403) refuse("server " + cfg_.generation.server_url + " refused the API key (HTTP " +
                                                    std::to_string(r.status) + "): set LORASYNC_API_KEY or --api-key");
-    last = r.status ? "HTTP " + std::to_string(r.status) + ": " + body_message(r.body) : r.message;
+    last = r.status ? "HTTP " + std::to_string(r.status) + ": " + http::error_message_of(r.body) : r.message;
     if (now_s() > deadline || g_stop_signal.load())
       throw Error(ErrorKind::kUnavailable, "server " + cfg_.generation.server_url + " is unreachable after " +
                                                fmt::format("{:.0f}", cfg_.generation.server_wait_s) + " s (" + last +
@@ -446,7 +439,7 @@ bool Trainer::unload_adapter(const std::string& name) {
   auto& c = sync_client_ ? *sync_client_ : *client_;
   auto r = c.request("POST", "/v1/unload_lora_adapter", json{{"lora_name", name}}.dump(), 60, true);
   if (r.status != 200 && r.status != 404) {
-    LS_LOG_WARN("trainer", "unloading {} failed: {}", name, r.status ? body_message(r.body) : r.message);
+    LS_LOG_WARN("trainer", "unloading {} failed: {}", name, r.status ? http::error_message_of(r.body) : r.message);
     return false;
   }
   return true;
@@ -457,12 +450,11 @@ void Trainer::load_adapter(const std::string& name, const fs::path& dir) {
   const double deadline = now_s() + cfg_.sync.adapter_load_deadline;
   auto& c = sync_client_ ? *sync_client_ : *client_;
   if (cfg_.sync.pause_during_load) c.request("POST", "/pause?mode=keep", "{}", 60, true);
-  std::string last;
   for (;;) {
     auto r = c.request("POST", "/v1/load_lora_adapter", json{{"lora_name", name}, {"lora_path", server_dir.string()}}.dump(),
                        cfg_.sync.adapter_load_deadline + 30, true);
     if (r.status == 200) break;
-    const std::string msg = r.status ? body_message(r.body) : r.message;
+    const std::string msg = r.status ? http::error_message_of(r.body) : r.message;
     const bool lagging = r.status == 404 && msg.find("No adapter found") != std::string::npos;
     const bool transient = r.status == 0 || r.status == 429 || r.status >= 500;
     if ((!lagging && !transient) || now_s() > deadline) {
@@ -470,7 +462,6 @@ void Trainer::load_adapter(const std::string& name, const fs::path& dir) {
       throw Error(ErrorKind::kUnavailable, "loading adapter " + name + " failed (" +
                                                (r.status ? "HTTP " + std::to_string(r.status) : std::string("transport")) + "): " + msg);
     }
-    last = msg;
     std::this_thread::sleep_for(std::chrono::duration<double>(cfg_.sync.adapter_retry_interval));
   }
   if (cfg_.sync.pause_during_load) c.request("POST", "/resume", "{}", 60, true);
@@ -634,12 +625,7 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   std::vector<PackItem> pack;
   std::int64_t total_completion = 0, total_tokens = 0, gi = 0;
   for (const auto& g : groups) {
-    const Problem* pr = nullptr;
-    for (const auto& p : data_.problems)
-      if (p.index == g.prompt.index) {
-        pr = &p;
-        break;
-      }
+    const Problem* pr = find_problem(data_, g.prompt.index);
     LS_CHECK(pr, "group for an unknown prompt");
     std::int64_t mi = 0;
     for (const auto& mem : g.members) {
@@ -859,10 +845,9 @@ void Trainer::emit_metrics(json& m) {
   console(m);
 }
 
-void Trainer::write_checkpoint_now(std::vector<Group> partial, bool final_ckpt) {
+void Trainer::write_checkpoint_now(bool final_ckpt) {
   const double t0 = now_s();
   PipelineState ps = pipe_->capture();
-  for (auto& g : partial) ps.groups.push_back(std::move(g));
   CheckpointData d;
   d.step = step_;
   d.adapter = &adapter_;
@@ -905,7 +890,7 @@ void Trainer::write_checkpoint_now(std::vector<Group> partial, bool final_ckpt) 
 }
 
 void Trainer::restore_from(const fs::path& dir) {
-  CheckpointData d = read_checkpoint(dir);
+  CheckpointData d = read_checkpoint(dir, /*verified=*/true);
   const json& st = d.state;
   step_ = d.step;
   restarts_ = st.value("restarts", std::int64_t{0}) + 1;
@@ -941,7 +926,7 @@ void Trainer::restore_from(const fs::path& dir) {
   next_version_ = st.at("next_version").get<std::int64_t>();
   if (!st.at("pending_sync_version").is_null()) {
     const auto pv = st.at("pending_sync_version").get<std::int64_t>();
-    pending_sync_index_ = pv;
+    pending_sync_version_ = pv;
   }
   pipe_->restore(std::move(ps));
 }
@@ -1091,14 +1076,14 @@ int Trainer::run() {
                            {"metrics_port", endpoint_ ? endpoint_->port() : 0}, {"output_dir", out_.string()}}.dump().c_str());
   std::fflush(stdout);
   pipe_->start();
-  if (pending_sync_index_) {  // the checkpoint's pending sync runs as a normal sync, under a new number
-    auto it = version_adapters_.find(*pending_sync_index_);
+  if (pending_sync_version_) {  // the checkpoint's pending sync runs as a normal sync, under a new number
+    auto it = version_adapters_.find(*pending_sync_version_);
     if (it != version_adapters_.end()) {
       model::LoraAdapter snap = std::move(it->second);
       version_adapters_.erase(it);
       start_sync(step_, &snap);
     }
-    pending_sync_index_.reset();
+    pending_sync_version_.reset();
   }
 
   run_start_ = now_s();
@@ -1114,7 +1099,7 @@ int Trainer::run() {
       ++step_;
       ++steps_this_run_;
       train_step(groups, m);
-      pipe_->record_trained(groups, step_);
+      pipe_->record_trained(groups);
       double sync_wait = sync_wait_carry;
       sync_wait_carry = 0;
       if (step_ % cfg_.sync.weight_sync_steps == 0) {
@@ -1181,7 +1166,7 @@ int Trainer::run() {
       if (step_ % cfg_.checkpoint.save_steps == 0 && step_ < cfg_.max_steps) {
         const double c0 = now_s();
         sync_wait_carry += wait_sync_idle();
-        write_checkpoint_now({}, false);
+        write_checkpoint_now(false);
         ckpt_carry = now_s() - c0;
       }
     }
@@ -1189,7 +1174,7 @@ int Trainer::run() {
     // End of run: wait for the sync, final checkpoint, final adapter, unload everything.
     wait_sync_idle();
     shutdown_pipeline();
-    write_checkpoint_now({}, true);
+    write_checkpoint_now(true);
     adapter_.save_peft(out_ / "final_adapter", true);
     std::set<std::int64_t> loaded;
     {
@@ -1206,7 +1191,7 @@ int Trainer::run() {
     shutdown_pipeline();
     if (!cfg_.checkpoint.save_on_sigterm) return 143;
     try {
-      write_checkpoint_now({}, false);
+      write_checkpoint_now(false);
     } catch (const std::exception& e) {
       LS_LOG_ERROR("trainer", "checkpoint on preemption failed: {}", e.what());
       return 1;
@@ -1217,7 +1202,7 @@ int Trainer::run() {
     LS_LOG_ERROR("trainer", "{}", e.what());
     shutdown_pipeline();
     try {
-      write_checkpoint_now({}, false);
+      write_checkpoint_now(false);
     } catch (const std::exception& e2) {
       LS_LOG_ERROR("trainer", "could not write a checkpoint: {}", e2.what());
     }

@@ -167,7 +167,6 @@ TEST(TrainerParts, CheckpointRoundTripIsBitExact) {
   d.version_tensors[3] = adapter.parameters();
   d.groups = {make_group(1, 3, 2), make_group(2, 3, 2)};
   d.groups[1].scored = false;
-  d.groups[1].members[2].valid = false;
   d.groups[1].members[2].reward = std::nan("");
   d.state = {{"cursor", cursor_to_json(Cursor{1, 5, {4, 3, 2, 1, 0}, {{7, 1, 2}}})}};
   const auto ck = dir.path() / "checkpoints";
@@ -190,7 +189,7 @@ TEST(TrainerParts, CheckpointRoundTripIsBitExact) {
       EXPECT_EQ(r.groups[g].members[m].advantage, d.groups[g].members[m].advantage);
     }
   EXPECT_FALSE(r.groups[1].scored);
-  EXPECT_FALSE(r.groups[1].members[2].valid);
+  EXPECT_FALSE(r.groups[1].members[2].valid());
   auto cur = cursor_from_json(r.state["cursor"]);
   EXPECT_EQ(cur.permutation, (std::vector<std::int64_t>{4, 3, 2, 1, 0}));
   ASSERT_EQ(cur.redo.size(), 1u);
