@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "util/files.h"
+#include "util/jsonl.h"
 #include "util/run_command.h"
 
 namespace lorasync {
@@ -15,14 +16,7 @@ namespace {
 using testing::run_lorasync;
 using testing::shell_quote;
 
-std::vector<nlohmann::json> lines_of(const std::string& text) {
-  std::vector<nlohmann::json> out;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using testing::parse_jsonl;
 
 TEST(GradeCli, GradesRowsFromFileToFile) {
   TempDir dir("lorasync-gradecli");
@@ -38,7 +32,7 @@ TEST(GradeCli, GradesRowsFromFileToFile) {
   auto r = run_lorasync("grade --input " + shell_quote(in.string()) + " --output " +
                         shell_quote(out.string()) + " --summary");
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  auto v = lines_of(read_file(out));
+  auto v = parse_jsonl(read_file(out));
   ASSERT_EQ(v.size(), 5u);
   EXPECT_EQ(v[0]["id"], "a");
   EXPECT_EQ(v[0]["index"], 0);
@@ -59,10 +53,10 @@ TEST(GradeCli, StdinToStdoutAndFallback) {
   std::string rows = R"j({"completion": "The answer is 12.", "answer": "12"})j" "\n";
   auto plain = run_lorasync("grade", rows);
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
-  EXPECT_EQ(lines_of(plain.out).at(0)["correct"], false);
+  EXPECT_EQ(parse_jsonl(plain.out).at(0)["correct"], false);
   auto fb = run_lorasync("grade --fallback", rows);
   ASSERT_EQ(fb.exit_code, 0) << fb.err;
-  EXPECT_EQ(lines_of(fb.out).at(0)["correct"], true);
+  EXPECT_EQ(parse_jsonl(fb.out).at(0)["correct"], true);
 }
 
 TEST(GradeCli, MalformedRowsNameTheirLineAndTheRestIsGraded) {
@@ -73,7 +67,7 @@ TEST(GradeCli, MalformedRowsNameTheirLineAndTheRestIsGraded) {
                      R"j({"completion": "\\boxed{3}", "answer": "3"})j" + "\n";
   auto r = run_lorasync("grade", rows);
   EXPECT_EQ(r.exit_code, 2);
-  auto v = lines_of(r.out);
+  auto v = parse_jsonl(r.out);
   ASSERT_EQ(v.size(), 6u);
   EXPECT_EQ(v[0]["correct"], true);
   EXPECT_NE(v[1]["error"].get<std::string>().find("line 2"), std::string::npos);
@@ -94,7 +88,7 @@ TEST(GradeCli, MissingInputIsAnError) {
 TEST(GradeCli, BenchGradeReportsThroughputWithBaseline) {
   auto r = run_lorasync("bench grade --seconds 0.05");
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  auto v = lines_of(r.out);
+  auto v = parse_jsonl(r.out);
   ASSERT_EQ(v.size(), 9u);
   for (const auto& rec : v) {
     EXPECT_EQ(rec["bench"], "grade");
