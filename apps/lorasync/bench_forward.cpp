@@ -5,6 +5,7 @@
 //  - decode: batch b sequences with `context` cached tokens, `decode_steps` steps of one token each
 //    through the batched decode path.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <cstdio>

@@ -1,8 +1,8 @@
 // `lorasync bench tokenizer`: encode / decode MB/s, single-threaded, on a mixed corpus (maths
 // problems from ../shared/data, this repository's C++ sources, CJK prose, emoji), with Hugging
-// Face tokenizers (Rust, via @anush008/tokenizers) and its JS port measured in the same run
-// through scripts/tokenizer_ref.mjs; reports the ratios and whether the ids are identical.
-// Protocol, the same for all three: warm-up on the first 50 documents, then one timed pass that
+// Face tokenizers (the Rust library from PyPI, in the project's .venv) measured in the same run
+// through scripts/tokenizer_ref.py; reports the ratios and whether the ids are identical.
+// Protocol, the same for both: warm-up on the first 50 documents, then one timed pass that
 // encodes each document with its own call, then one timed pass that decodes each id list.
 #include <nlohmann/json.hpp>
 
@@ -24,8 +24,8 @@ namespace {
 struct BenchTokenizerOptions {
   std::string tokenizer = std::string(LORASYNC_SOURCE_DIR) + "/../shared/data/qwen2-tokenizer";
   std::string data_dir = std::string(LORASYNC_SOURCE_DIR) + "/../shared/data";
-  std::string node = "node";     // node binary for the references
-  bool no_reference = false;     // skip the node references
+  std::string python = std::string(LORASYNC_SOURCE_DIR) + "/.venv/bin/python";  // the reference's
+  bool no_reference = false;     // skip the reference (Hugging Face tokenizers)
   std::size_t doc_bytes = 4096;  // target document size
   int passes = 3;                // our timed passes; the first is reported, the best in config
 };
@@ -123,13 +123,13 @@ RefResult run_reference(const BenchTokenizerOptions& o, const std::string& impl,
                         const fs::path& tokenizer_json, const fs::path& corpus, const fs::path& dir) {
   RefResult r;
   const fs::path out = dir / ("ids_" + impl + ".jsonl");
-  const std::string script = std::string(LORASYNC_SOURCE_DIR) + "/scripts/tokenizer_ref.mjs";
-  std::string cmd = "'" + o.node + "' '" + script + "' --impl " + impl + " --tokenizer '" +
+  const std::string script = std::string(LORASYNC_SOURCE_DIR) + "/scripts/tokenizer_ref.py";
+  std::string cmd = "'" + o.python + "' '" + script + "' --impl " + impl + " --tokenizer '" +
                     tokenizer_json.string() + "' --input '" + corpus.string() + "' --output '" +
                     out.string() + "' --decode 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) {
-    r.error = "cannot start node";
+    r.error = "cannot start " + o.python;
     return r;
   }
   std::string text;
@@ -203,7 +203,7 @@ int run(const BenchTokenizerOptions& o) {
   struct Ref {
     const char* impl;
     const char* name;
-  } refs[] = {{"rust", "hf_tokenizers_rust"}, {"js", "hf_tokenizers_js"}};
+  } refs[] = {{"rust", "hf_tokenizers_rust"}};
   std::vector<RefResult> results;
   if (!o.no_reference)
     for (const auto& ref : refs) results.push_back(run_reference(o, ref.impl, tok_path, corpus, tmp.path()));
@@ -257,7 +257,8 @@ void register_bench_tokenizer(CLI::App& bench, Registry& reg) {
   auto* sub = bench.add_subcommand("tokenizer", "encode/decode MB/s vs Hugging Face tokenizers");
   sub->add_option("--tokenizer", o->tokenizer, "tokenizer.json or its directory")->capture_default_str();
   sub->add_option("--data-dir", o->data_dir, "directory of the maths *.jsonl files")->capture_default_str();
-  sub->add_option("--node", o->node, "node binary for the references")->capture_default_str();
+  sub->add_option("--python", o->python, "Python with the tokenizers package (scripts/setup's .venv)")
+      ->capture_default_str();
   sub->add_flag("--no-reference", o->no_reference, "measure only lorasync's tokenizer");
   sub->add_option("--doc-bytes", o->doc_bytes, "target document size")->capture_default_str();
   sub->add_option("--passes", o->passes, "our timed passes (first reported)")->capture_default_str();

@@ -3,6 +3,7 @@
 // clipping and AdamW. Reports trained tokens/s, utilisation against the GEMM peak measured in the
 // same run (trainer.md §6 FLOP formula), rows filled, and optimiser step time.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <cstdio>
@@ -33,16 +34,19 @@ struct BenchTrainOptions {
   std::int64_t logits_chunk = 512;  // 256-512 measured best on CPU (L2-sized chunks); 2048 on GPU
   int steps = 2;
   int threads = 0;
+  std::string device = "cpu";
+  std::string dtype = "auto";  // fp32 on CPU, bf16 on CUDA (LoRA masters and AdamW stay fp32)
 };
 
 int run(const BenchTrainOptions& o) {
   model::set_compute_threads(o.threads);
-  const auto device = c10::Device(c10::kCPU);
+  const auto device = model::parse_device(o.device);
+  const auto dtype = model::parse_dtype(o.dtype, device, "--dtype");
   auto cfg = model::Qwen2Config::preset(o.preset);
   BenchReporter rep;
-  const double peak = model::gemm_peak_gflops(at::kFloat, device);
-  LS_LOG_INFO("bench", "train: building random {} model", o.preset);
-  auto m = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, 0, at::kFloat), at::kFloat, device);
+  const double peak = model::gemm_peak_gflops(dtype, device);
+  LS_LOG_INFO("bench", "train: building random {} model ({}, {})", o.preset, model::dtype_name(dtype), o.device);
+  auto m = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, 0, dtype), dtype, device);
   model::LoraConfig lc;
   lc.rank = o.rank;
   lc.alpha = 2.0 * static_cast<double>(o.rank);
@@ -77,7 +81,9 @@ int run(const BenchTrainOptions& o) {
     tokens += it.length;
   }
   flops += 4.0 * static_cast<double>(cfg.hidden_size * cfg.vocab_size) * static_cast<double>(completion_tokens);
+  if (device.is_cuda()) model::reset_peak_device_memory(device);
   for (int step = 0; step <= o.steps; ++step) {  // step 0 warms up
+    model::device_synchronize(device);
     auto t0 = std::chrono::steady_clock::now();
     for (const auto& row : plan.rows) {
       std::vector<rl::PackedSample> rs;
@@ -93,10 +99,12 @@ int run(const BenchTrainOptions& o) {
                   static_cast<double>(o.samples * o.max_completion);
       loss.backward();
     }
+    model::device_synchronize(device);
     auto t1 = std::chrono::steady_clock::now();
     rl::clip_grad_norm(adapter.parameters(), 1.0);
     opt.step(4e-5);
     opt.zero_grad();
+    model::device_synchronize(device);
     auto t2 = std::chrono::steady_clock::now();
     if (step > 0) {
       fb_s += std::chrono::duration<double>(t1 - t0).count();
@@ -107,13 +115,17 @@ int run(const BenchTrainOptions& o) {
   opt_s /= o.steps;
   nlohmann::json c = {{"preset", o.preset}, {"samples", o.samples}, {"rows", plan.rows.size()},
                       {"row_tokens", o.row_tokens}, {"rank", o.rank}, {"threads", model::compute_threads()},
-                      {"tokens_per_step", tokens}, {"logits_chunk", o.logits_chunk}};
+                      {"tokens_per_step", tokens}, {"logits_chunk", o.logits_chunk},
+                      {"device", o.device}, {"dtype", model::dtype_name(dtype)}};
   rep.emit({"train", "gemm_peak_gflops", peak, "GFLOP/s", std::nullopt, c});
   rep.emit({"train", "trained_tokens_per_s", static_cast<double>(tokens) / fb_s, "tokens/s", std::nullopt, c});
   rep.emit({"train", "fwd_bwd_gflops", flops / fb_s / 1e9, "GFLOP/s", peak, c});
   rep.emit({"train", "rows_filled", plan.fill, "fraction", 0.95, c});
   rep.emit({"train", "optimizer_step_ms", opt_s * 1e3, "ms", std::nullopt, c});
   rep.emit({"train", "fwd_bwd_step_s", fb_s, "s", std::nullopt, c});
+  if (device.is_cuda())
+    rep.emit({"train", "peak_device_memory_gib", static_cast<double>(model::peak_device_memory(device)) / (1 << 30),
+              "GiB", std::nullopt, c});
   rep.print_table();
   return 0;
 }
@@ -132,6 +144,9 @@ void register_bench_train(CLI::App& bench, Registry& reg) {
   sub->add_option("--logits-chunk", o->logits_chunk, "LM-head rows per chunk")->capture_default_str();
   sub->add_option("--steps", o->steps, "timed steps (after one warm-up)")->capture_default_str();
   sub->add_option("--threads", o->threads, "0 = all cores")->capture_default_str();
+  sub->add_option("--device", o->device, "cpu|cuda[:N]")->capture_default_str();
+  sub->add_option("--dtype", o->dtype, "auto|float32|bfloat16|float16 (auto: fp32 on CPU, bf16 on CUDA)")
+      ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });
 }
 

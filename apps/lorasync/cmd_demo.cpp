@@ -235,6 +235,7 @@ struct DemoOptions {
   std::int64_t model_steps = 0;
   double lr = 5e-4;
   std::int64_t max_staleness = 2;  // SFT steps of the base model (0 = make-demo-model's default)
+  std::string device = "cpu";      // replicas and trainer: cpu or cuda[:N] (fp32 either way)
 };
 
 std::string progress_bar(double frac, int width) {
@@ -300,7 +301,8 @@ int run_demo(const DemoOptions& o) {
         "replica" + std::to_string(i),
         std::vector<std::string>{exe, "serve", "--model", (base / "model").string(), "--served-model-name", "demo-base", "--port", "0",
                                  "--api-key", upstream_token, "--max-loras", "6", "--max-lora-rank", "8", "--max-model-len", "512",
-                                 "--kv-cache-memory", "64MiB", "--allowed-adapter-root", run.string(), "--threads", "1"},
+                                 "--kv-cache-memory", "64MiB", "--allowed-adapter-root", run.string(), "--threads", "1",
+                                 "--device", o.device, "--dtype", "float32"},
         logs));
   }
   for (auto& c : fleet) ports.push_back(static_cast<std::uint16_t>(c->first_line(60)["port"].get<int>()));
@@ -347,7 +349,7 @@ int run_demo(const DemoOptions& o) {
     f << "run_name = \"lorasync-demo\"\n"
       << "output_dir = \"" << run.string() << "\"\n"
       << "seed = " << o.seed << "\nmax_steps = " << o.steps << "\n"
-      << "[model]\npath = \"" << (base / "model").string() << "\"\nserved_name = \"demo-base\"\ndevice = \"cpu\"\ndtype = \"fp32\"\nthreads = 1\n"
+      << "[model]\npath = \"" << (base / "model").string() << "\"\nserved_name = \"demo-base\"\ndevice = \"" << o.device << "\"\ndtype = \"fp32\"\nthreads = 1\n"
       << "[lora]\nrank = 8\nalpha = 16.0\n"
       << "[data]\ntrain_file = \"" << (base / "train.jsonl").string() << "\"\nsystem_prompt = " << json(system_prompt).dump()
       << "\nmax_prompt_tokens = 200\n"
@@ -503,6 +505,8 @@ void register_demo(CLI::App& root, Registry& reg) {
   sub->add_option("--eval-samples", o->eval_samples, "samples per held-out problem")->capture_default_str();
   sub->add_option("--seed", o->seed, "seed of the base model and the run")->capture_default_str();
   sub->add_option("--lr", o->lr, "learning rate of the LoRA adapter")->capture_default_str();
+  sub->add_option("--device", o->device, "device of the replicas and the trainer: cpu|cuda[:N] (fp32)")
+      ->capture_default_str();
   sub->add_option("--max-staleness", o->max_staleness, "async.max_staleness of the run (weight syncs)")->capture_default_str();
   sub->add_option("--model-steps", o->model_steps, "SFT steps of the base model (0 = default; tests use fewer)")
       ->capture_default_str();

@@ -4,12 +4,17 @@
 //   -> {"logprobs": [lp4, lp5]}
 // With --input FILE.jsonl ({"prompt_ids": [...], "completion_ids": [...]} rows) all rows are
 // packed into one forward and one {"logprobs": [...]} row is printed per input row.
+// --logits-out FILE.safetensors also writes each row's full fp32 logits over prompt + completion
+// ("logits.<row>", [P + C, vocab], before temperature), for comparisons with other stacks.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <fstream>
 
 #include "commands.h"
+#include "core/io/safetensors.h"
 #include "core/model/logprobs.h"
 #include "model_options.h"
 #include "util/error.h"
@@ -22,6 +27,7 @@ namespace {
 struct LogprobsOptions {
   ModelOptions model;
   std::string prompt_ids, completion_ids, input;
+  std::string logits_out;  // optional safetensors of full logits per row
   double temperature = 1.0;
 };
 
@@ -34,6 +40,25 @@ std::vector<std::int64_t> ids_field(const nlohmann::json& row, const char* key, 
     out.push_back(v.get<std::int64_t>());
   }
   return out;
+}
+
+// One forward per row (no packing), logits [P + C, V] in fp32 on the CPU, written atomically.
+void write_logits(const LoadedModel& lm, const std::vector<model::LogprobItem>& items,
+                  const std::string& path) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> keep;
+  std::vector<io::TensorToWrite> ts;
+  auto lora = model::LoraBatch::all(lm.adapter.get());
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    std::vector<std::int64_t> seq = items[i].prompt;
+    seq.insert(seq.end(), items[i].completion.begin(), items[i].completion.end());
+    auto batch = model::make_batch({seq}, {}, lm.model->device());
+    auto logits = lm.model->logits(lm.model->forward(batch, &lora)).to(at::kCPU).to(at::kFloat).contiguous();
+    keep.push_back(logits);
+    ts.push_back({"logits." + std::to_string(i), io::DType::kF32, logits.sizes().vec(),
+                  {static_cast<const std::uint8_t*>(logits.data_ptr()), static_cast<std::size_t>(logits.nbytes())}});
+  }
+  io::write_safetensors(path, ts);
 }
 
 int run(const LogprobsOptions& o) {
@@ -65,6 +90,7 @@ int run(const LogprobsOptions& o) {
     nlohmann::json j = {{"logprobs", lp}};
     std::printf("%s\n", j.dump().c_str());
   }
+  if (!o.logits_out.empty()) write_logits(lm, items, o.logits_out);
   return 0;
 }
 
@@ -78,6 +104,7 @@ void register_logprobs(CLI::App& root, Registry& reg) {
   sub->add_option("--completion-ids", o->completion_ids, "comma-separated completion token ids");
   sub->add_option("--input", o->input, "JSONL rows {prompt_ids, completion_ids}");
   sub->add_option("--temperature", o->temperature, "logits are divided by it")->capture_default_str();
+  sub->add_option("--logits-out", o->logits_out, "also write each row's fp32 logits to this .safetensors");
   reg.add(sub, [o] { return run(*o); });
 }
 

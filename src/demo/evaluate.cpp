@@ -2,6 +2,7 @@
 #include "demo/evaluate.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>

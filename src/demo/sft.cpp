@@ -2,6 +2,7 @@
 #include "demo/sft.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 
 #include <algorithm>

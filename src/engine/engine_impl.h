@@ -5,6 +5,7 @@
 #include "engine/engine.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>

@@ -2,6 +2,8 @@
 // loss, backward, clipping, AdamW, fp16 scaling), its metrics and the console line (trainer.md §2-3, §6).
 #include "rl/trainer_impl.h"
 
+#include <ATen/core/grad_mode.h>
+
 namespace lorasync::rl::detail {
 
 namespace {

@@ -135,7 +135,9 @@ void parse_common(const json& j, ParsedCompletion& r) {
   if (get_bool(j, "echo", false)) bad("echo", "echo is not supported");
   if (r.chat) {
     if (get_bool(j, "logprobs", false)) {
-      p.logprobs = static_cast<int>(get_int(j, "top_logprobs", 0));
+      const std::int64_t k = get_int(j, "top_logprobs", 0);
+      if (k < 0 || k > 1000) bad("top_logprobs", fmt::format("top_logprobs must be in [0, 1000], got {}", k));
+      p.logprobs = static_cast<int>(k);
     }
   } else if (const json* lp = field(j, "logprobs")) {
     if (!lp->is_number_integer()) bad("logprobs", fmt::format("logprobs must be an integer or null, got {}", shown(*lp)));
@@ -302,7 +304,47 @@ json logprobs_json(const std::vector<std::string>& tokens, const std::vector<flo
   return {{"tokens", toks}, {"token_logprobs", vals}, {"top_logprobs", tops}, {"text_offset", offs}};
 }
 
+// One token in the chat shape: its text (lossy where the token ends inside a UTF-8 character),
+// its exact bytes as integers, and its logprob, as OpenAI and vLLM return it.
+json chat_token_json(std::int32_t id, float lp, const tok::Tokenizer* tk) {
+  std::string_view raw;
+  std::string text;
+  if (tk && tk->is_valid_id(id)) {
+    raw = tk->token_bytes(id);
+    text = tk->decode(std::span<const std::int32_t>(&id, 1));
+  } else {
+    text = std::to_string(id);
+    raw = text;
+  }
+  json bytes = json::array();
+  for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
+  return {{"token", std::move(text)}, {"logprob", lp}, {"bytes", std::move(bytes)}};
+}
+
+// Chat completions: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
+// (choices[].logprobs.content[]), top_logprobs always a list (empty unless asked for).
+json chat_logprobs_json(const std::vector<std::int32_t>& ids, const std::vector<float>& lps,
+                        const std::vector<std::vector<std::pair<std::int32_t, float>>>& top,
+                        std::size_t from, const tok::Tokenizer* tk) {
+  json content = json::array();
+  for (std::size_t i = from; i < lps.size(); ++i) {
+    json entry = chat_token_json(ids[i], lps[i], tk);
+    json tops = json::array();
+    for (const auto& [id, lp] : top[i]) tops.push_back(chat_token_json(id, lp, tk));
+    entry["top_logprobs"] = std::move(tops);
+    content.push_back(std::move(entry));
+  }
+  return {{"content", std::move(content)}, {"refusal", nullptr}};
+}
+
 }  // namespace
+
+nlohmann::json CompletionState::choice_logprobs(const Choice& c, std::size_t from) const {
+  if (!req_.params.logprobs) return json(nullptr);
+  if (req_.chat) return chat_logprobs_json(c.ids, c.logprobs, c.top, from, tokenizer_);
+  return logprobs_json(c.tokens, c.logprobs, c.top, c.offsets, from, *req_.params.logprobs > 0,
+                       tokenizer_);
+}
 
 std::string CompletionState::chunk_json(std::size_t ci, const engine::ChoiceDelta& d,
                                         std::size_t first_token) const {
@@ -313,11 +355,7 @@ std::string CompletionState::chunk_json(std::size_t ci, const engine::ChoiceDelt
   } else {
     choice["text"] = d.text;
   }
-  if (req_.params.logprobs)
-    choice["logprobs"] = logprobs_json(c.tokens, c.logprobs, c.top, c.offsets, first_token,
-                                       *req_.params.logprobs > 0, tokenizer_);
-  else
-    choice["logprobs"] = nullptr;
+  choice["logprobs"] = choice_logprobs(c, first_token);
   if (req_.return_token_ids) {
     choice["token_ids"] = std::vector<std::int32_t>(c.ids.begin() + static_cast<std::ptrdiff_t>(first_token), c.ids.end());
     if (first_token == 0) choice["prompt_token_ids"] = prompts_[ci / static_cast<std::size_t>(req_.params.n)];
@@ -356,9 +394,7 @@ std::string CompletionState::final_json() const {
     json ch = {{"index", i}, {"finish_reason", c.finish ? json(*c.finish) : json(nullptr)}};
     if (req_.chat) ch["message"] = {{"role", "assistant"}, {"content", c.text}};
     else ch["text"] = c.text;
-    ch["logprobs"] = req_.params.logprobs
-                         ? logprobs_json(c.tokens, c.logprobs, c.top, c.offsets, 0, *req_.params.logprobs > 0, tokenizer_)
-                         : json(nullptr);
+    ch["logprobs"] = choice_logprobs(c, 0);
     if (req_.return_token_ids) {
       ch["token_ids"] = c.ids;
       ch["prompt_token_ids"] = prompts_[i / static_cast<std::size_t>(req_.params.n)];

@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "engine/request.h"
 
 namespace lorasync::tok {
@@ -74,6 +76,9 @@ class CompletionState {
     std::optional<std::string> finish;
   };
   std::string chunk_json(std::size_t choice, const engine::ChoiceDelta& d, std::size_t first_token) const;
+  // choices[].logprobs from token `from` on: completions shape, or the chat shape for chat; null
+  // when logprobs were not asked for.
+  nlohmann::json choice_logprobs(const Choice& c, std::size_t from) const;
   std::string usage_json() const;
 
   std::string id_;

@@ -160,6 +160,51 @@ TEST_F(Serve, StreamingSseAndChat) {
   auto cj = json::parse(c.body);
   EXPECT_EQ(cj["object"], "chat.completion");
   EXPECT_EQ(cj["choices"][0]["message"]["role"], "assistant");
+  EXPECT_TRUE(cj["choices"][0]["logprobs"].is_null());
+}
+
+// Chat logprobs come in the chat shape (choices[].logprobs.content[] with token, logprob, bytes,
+// top_logprobs), as vLLM and OpenAI return them; the bytes of the tokens make up the message.
+TEST_F(Serve, ChatLogprobsInTheChatShape) {
+  auto c = f().post("/v1/chat/completions", {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                                             {"max_tokens", 4}, {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2},
+                                             {"ignore_eos", true}});
+  ASSERT_EQ(c.status, 200) << c.body;
+  auto ch = json::parse(c.body)["choices"][0];
+  const auto& content = ch["logprobs"]["content"];
+  ASSERT_TRUE(content.is_array()) << ch.dump();
+  ASSERT_EQ(content.size(), 4u);
+  std::string bytes;
+  for (const auto& t : content) {
+    EXPECT_TRUE(t["token"].is_string());
+    EXPECT_LE(t["logprob"].get<double>(), 0.0);
+    ASSERT_TRUE(t["bytes"].is_array());
+    for (const auto& b : t["bytes"]) bytes.push_back(static_cast<char>(b.get<int>()));
+    ASSERT_EQ(t["top_logprobs"].size(), 2u);
+    EXPECT_GE(t["top_logprobs"][0]["logprob"].get<double>(), t["top_logprobs"][1]["logprob"].get<double>());
+    EXPECT_TRUE(t["top_logprobs"][0].contains("bytes"));
+  }
+  EXPECT_EQ(bytes, ch["message"]["content"].get<std::string>());
+  // Without top_logprobs each entry still carries an empty list; streaming gives the same shape.
+  auto s = f().post("/v1/chat/completions", {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                                             {"max_tokens", 4}, {"temperature", 0}, {"logprobs", true}, {"stream", true},
+                                             {"ignore_eos", true}});
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::size_t streamed = 0;
+  for (const auto& e : testing::sse_events(s.body)) {
+    if (e == "[DONE]") continue;
+    auto j = json::parse(e);
+    for (const auto& sc : j["choices"])
+      if (sc["logprobs"].is_object())
+        for (const auto& t : sc["logprobs"]["content"]) {
+          EXPECT_TRUE(t["top_logprobs"].is_array() && t["top_logprobs"].empty());
+          ++streamed;
+        }
+  }
+  EXPECT_EQ(streamed, 4u);
+  expect_error(f().post("/v1/chat/completions", {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                                                 {"logprobs", true}, {"top_logprobs", -1}}),
+               400, "top_logprobs must be in [0, 1000]", "top_logprobs");
 }
 
 TEST_F(Serve, DocumentedErrors) {

@@ -1,18 +1,19 @@
-// Conformance: lorasync's tokenizer against Hugging Face tokenizers (Rust, through its node build
-// @anush008/tokenizers, run by scripts/tokenizer_ref.mjs) on
+// Conformance: lorasync's tokenizer against Hugging Face tokenizers (the Rust library from PyPI,
+// in the project's .venv, run by scripts/tokenizer_ref.py) on
 //   - a corpus of every problem in ../shared/data/*.jsonl plus edge cases (>= 2,000 strings),
 //     with and without special-token parsing, with and without add_special_tokens;
 //   - a sweep over every code point in small contexts (letter, space, apostrophe, digit,
 //     newline, doubled), comparing NFC output and pre-tokenizer pieces with the reference's own
 //     normalizer and pre-tokenizer: the proof that the hand-written scanner equals the regex;
 //   - a tokenizer trained by train_bpe, on the same corpus.
-// Ids must be identical and decode(encode(x)) == x. The JS port's agreement is reported, not
-// required. Missing node or npm modules FAIL with a pointer to scripts/setup.
+// Ids must be identical and decode(encode(x)) == x. A missing .venv or package FAILs with a
+// pointer to scripts/setup.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 
@@ -33,6 +34,20 @@ using Ids = std::vector<std::int32_t>;
 const std::string kShared = LORASYNC_SHARED_DIR;
 const std::string kSource = LORASYNC_SOURCE_DIR;
 const std::string kQwen = kShared + "/data/qwen2-tokenizer/tokenizer.json";
+const std::string kPython = LORASYNC_PYTHON;  // the project's .venv interpreter
+
+// Appends one figure to $LORASYNC_FIGURES (scripts/test prints the file after the run).
+void figure(const std::string& name, double value, const json& details = json::object()) {
+  json row = {{"conformance", name}, {"value", value}};
+  row.update(details);
+  std::printf("%s\n", row.dump().c_str());
+  if (const char* path = std::getenv("LORASYNC_FIGURES")) {
+    std::ofstream f(path, std::ios::app);
+    f << row.dump() << "\n";
+  }
+}
+
+std::string ref_command() { return "'" + kPython + "' '" + kSource + "/scripts/tokenizer_ref.py'"; }
 
 std::vector<std::string> edge_cases() {
   std::vector<std::string> v = {
@@ -108,20 +123,19 @@ struct RefOut {
   std::vector<std::string> text;
 };
 
-// Runs the reference; FAILs (not skips) when node or the modules are missing.
+// Runs the reference; FAILs (not skips) when the .venv or the package is missing.
 RefOut reference(const std::string& impl, const std::string& tokenizer, const fs::path& input,
                  const fs::path& dir, const std::string& flags) {
   RefOut r;
   const fs::path out = dir / ("out_" + impl + ".jsonl");
   std::error_code ec;
   fs::remove(out, ec);
-  const std::string cmd = "node '" + kSource + "/scripts/tokenizer_ref.mjs' --impl " + impl +
-                          " --tokenizer '" + tokenizer + "' --input '" + input.string() +
+  const std::string cmd = ref_command() + " --impl " + impl + " --tokenizer '" + tokenizer + "' --input '" + input.string() +
                           "' --output '" + out.string() + "' --decode --no-warmup " + flags +
                           " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) {
-    ADD_FAILURE() << "cannot run node: install node and run scripts/setup";
+    ADD_FAILURE() << "cannot run " << kPython << ": run scripts/setup";
     return r;
   }
   std::string log;
@@ -130,8 +144,7 @@ RefOut reference(const std::string& impl, const std::string& tokenizer, const fs
   int rc = pclose(p);
   if (rc != 0) {
     ADD_FAILURE() << "the reference tokenizer (" << impl << ") did not run (exit " << rc
-                  << "). Run scripts/setup to install node and the npm modules into "
-                     "third_party/node.\n"
+                  << "). Run scripts/setup to make the .venv with the pinned tokenizers.\n"
                   << log;
     return r;
   }
@@ -190,19 +203,19 @@ TEST_F(Conformance, QwenTokenizerMatchesTheRustReference) {
   without.parse_special = false;
   add.add_special_tokens = true;
   auto r1 = reference("rust", kQwen, input, tmp.path(), "");
-  EXPECT_EQ(compare(tok, texts, r1, with, "rust, special tokens parsed", true), 0u);
+  const auto d1 = compare(tok, texts, r1, with, "rust, special tokens parsed", true);
+  EXPECT_EQ(d1, 0u);
   auto r2 = reference("rust", kQwen, input, tmp.path(), "--no-special");
-  EXPECT_EQ(compare(tok, texts, r2, without, "rust, no special parsing", true), 0u);
+  const auto d2 = compare(tok, texts, r2, without, "rust, no special parsing", true);
+  EXPECT_EQ(d2, 0u);
   auto r3 = reference("rust", kQwen, input, tmp.path(), "--add-special");
-  EXPECT_EQ(compare(tok, texts, r3, add, "rust, add_special_tokens", true), 0u);
+  const auto d3 = compare(tok, texts, r3, add, "rust, add_special_tokens", true);
+  EXPECT_EQ(d3, 0u);
+  figure("tokenizers_qwen2_identical_ids_share",
+         1.0 - static_cast<double>(d1 + d2 + d3) / static_cast<double>(3 * texts.size()),
+         {{"strings", texts.size()}, {"modes", 3}, {"mismatches", d1 + d2 + d3}});
   std::printf("conformance: %zu strings, ids identical to the Rust reference with and without "
               "special-token parsing\n", texts.size());
-  // The JS port: reported only (it is not the reference).
-  auto js = reference("js", kQwen, input, tmp.path(), "");
-  std::size_t js_diff = 0;
-  for (std::size_t i = 0; i < std::min(js.ids.size(), texts.size()); ++i)
-    if (js.ids[i] != tok.encode(texts[i])) ++js_diff;
-  std::printf("conformance: the JS port differs on %zu of %zu strings\n", js_diff, texts.size());
 }
 
 TEST_F(Conformance, CodePointSweepMatchesTheRustReference) {
@@ -227,8 +240,7 @@ TEST_F(Conformance, CodePointSweepMatchesTheRustReference) {
   const fs::path input = tmp.path() / "sweep.jsonl";
   write_jsonl(input, texts);
   const fs::path out = tmp.path() / "sweep_ref.jsonl";
-  const std::string cmd = "node '" + kSource + "/scripts/tokenizer_ref.mjs' --impl rust --tokenizer '" +
-                          kQwen + "' --input '" + input.string() + "' --output '" + out.string() +
+  const std::string cmd = ref_command() + " --tokenizer '" + kQwen + "' --input '" + input.string() + "' --output '" + out.string() +
                           "' --pretokenize 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << "reference failed: run scripts/setup";
   std::ifstream in(out);
@@ -259,6 +271,9 @@ TEST_F(Conformance, CodePointSweepMatchesTheRustReference) {
   EXPECT_EQ(row, texts.size());
   EXPECT_EQ(bad_norm, 0u);
   EXPECT_EQ(bad_pieces, 0u);
+  figure("tokenizers_code_point_sweep_identical_rows_share",
+         static_cast<double>(row - std::max(bad_norm, bad_pieces)) / static_cast<double>(texts.size()),
+         {{"rows", texts.size()}, {"code_points", 0x110000 - 1 - 2048}});
   std::printf("code point sweep: %zu code points in %zu rows; NFC and pre-tokenizer pieces "
               "identical in %zu rows (tables: %s)\n",
               static_cast<std::size_t>(0x110000 - 1 - 2048), texts.size(), row - std::max(bad_norm, bad_pieces),

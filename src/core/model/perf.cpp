@@ -1,7 +1,9 @@
 #include "core/model/perf.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 
 #include <chrono>
 
@@ -12,6 +14,16 @@ void device_synchronize(c10::Device device) {
     // A tiny device-to-host copy waits for the queued kernels without a CUDA header here.
     (void)at::zeros({1}, at::TensorOptions().device(device)).cpu();
   }
+}
+
+std::int64_t peak_device_memory(c10::Device device) {
+  if (!device.is_cuda()) return 0;
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+  return stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+}
+
+void reset_peak_device_memory(c10::Device device) {
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
 }
 
 double gemm_gflops(std::int64_t m, std::int64_t n, std::int64_t k, c10::ScalarType dtype,

@@ -24,6 +24,10 @@ double gemm_peak_gflops(c10::ScalarType dtype, c10::Device device, double min_se
 // prefill of length P: context = P/2), with the LM head evaluated on `lm_head_rows` rows.
 double forward_flops(const Qwen2Config& c, double tokens, double context, double lm_head_rows);
 
+// Peak bytes allocated by libtorch's CUDA caching allocator since the last reset (0 on CPU).
+std::int64_t peak_device_memory(c10::Device device);
+void reset_peak_device_memory(c10::Device device);
+
 // Synchronises the device (CUDA) so wall-clock timings are real; no-op on CPU.
 void device_synchronize(c10::Device device);
 

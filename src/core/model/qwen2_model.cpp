@@ -1,12 +1,15 @@
 #include "core/model/qwen2_model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
 
 #include <cmath>
 #include <limits>
 
 #include "core/io/checkpoint_dir.h"
+#include "core/model/device_kernels.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -62,11 +65,20 @@ inline at::ScalarType acc_type(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto x32 = x.to(acc_type(x));
   auto var = x32.pow(2).mean(-1, /*keepdim=*/true);
   x32 = x32 * at::rsqrt(var + eps);
   return weight * x32.to(x.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  // Our fused kernel on CUDA when no gradient flows through the call (it has no backward).
+  if (x.is_cuda() && have_cuda_kernels() && x.scalar_type() == weight.scalar_type() &&
+      x.scalar_type() != at::kDouble &&
+      !(c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())))
+    return cuda::rms_norm(x, weight, eps);
+  return rms_norm_reference(x, weight, eps);
 }
 
 at::Tensor rope_inv_freq(std::int64_t head_dim, double theta, c10::Device device) {
@@ -94,7 +106,7 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return x * c + rot * s;
 }
 
-at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+at::Tensor segment_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              std::int64_t past) {
   const auto L = q.size(0), nh = q.size(1), hd = q.size(2);
   const auto S = k.size(0), nkv = k.size(1);
@@ -112,6 +124,35 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
   auto probs = at::softmax(scores, -1, acc_type(q)).to(q.scalar_type());
   auto out = at::matmul(probs, vh);                           // [nkv, g, L, hd]
   return out.permute({2, 0, 1, 3}).reshape({L, nh * hd});
+}
+
+at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             std::int64_t past) {
+  // libtorch's fused attention: flash attention on CUDA (fp16/bf16) and its blocked CPU kernel,
+  // neither of which keeps the [L, S] scores for the backward pass (only a logsumexp per row).
+  const auto L = q.size(0), nh = q.size(1), hd = q.size(2);
+  const auto S = k.size(0), nkv = k.size(1);
+  const auto g = nh / nkv;
+  auto qh = q.transpose(0, 1).unsqueeze(0);  // [1, nh, L, hd]
+  auto kh = k.transpose(0, 1).unsqueeze(0);  // [1, nkv, S, hd]
+  auto vh = v.transpose(0, 1).unsqueeze(0);
+  if (g > 1) {
+    // KV head j serves query heads [j*g, (j+1)*g): expanded here, since the fused CPU kernel
+    // takes no GQA (enable_gqa falls back to the unfused path there).
+    kh = kh.unsqueeze(2).expand({1, nkv, g, S, hd}).reshape({1, nh, S, hd});
+    vh = vh.unsqueeze(2).expand({1, nkv, g, S, hd}).reshape({1, nh, S, hd});
+  }
+  at::Tensor out;
+  if (past == 0 && L == S) {
+    out = at::scaled_dot_product_attention(qh, kh, vh, {}, 0.0, /*is_causal=*/true);
+  } else if (L == 1) {
+    out = at::scaled_dot_product_attention(qh, kh, vh);  // the last query sees every key
+  } else {
+    // Key j is visible to query i iff j <= past + i (true = attend).
+    auto mask = at::ones({L, S}, at::TensorOptions().dtype(at::kBool).device(q.device())).tril(past);
+    out = at::scaled_dot_product_attention(qh, kh, vh, mask);
+  }
+  return out.squeeze(0).transpose(0, 1).reshape({L, nh * hd});  // [L, nh*hd]
 }
 
 Qwen2Model::Qwen2Model(Qwen2Config cfg, c10::ScalarType dtype, c10::Device device)

@@ -108,7 +108,8 @@ class Qwen2Model {
   at::Tensor inv_freq_;  // fp32 [head_dim / 2]
 };
 
-// RMSNorm as Hugging Face computes it (exposed for tests).
+// RMSNorm as Hugging Face computes it: our fused kernel on CUDA where the build has it and no
+// gradient is needed (device_kernels.h), else rms_norm_reference.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // cos, sin [T, head_dim] (fp32) for positions [T].
 std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq);
@@ -116,9 +117,12 @@ at::Tensor rope_inv_freq(std::int64_t head_dim, double theta, c10::Device device
 // x [T, heads, head_dim]: x cos + rotate_half(x) sin (cos/sin cast to x's dtype).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // Causal attention of one segment: q [L, nh, hd], k/v [S, nkv, hd], query i sees keys j <= past+i
-// with S = past + L. Returns [L, nh * hd].
+// with S = past + L. Returns [L, nh * hd]. Runs libtorch's fused scaled_dot_product_attention;
+// segment_attention_reference is the explicit softmax(QK^T/sqrt(hd))V the tests compare with.
 at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              std::int64_t past);
+at::Tensor segment_attention_reference(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, std::int64_t past);
 
 // Random weights with Hugging Face names, N(0, std) for matrices, biases and norm weights
 // perturbed around their defaults, generated on CPU from `seed` and stored in `dtype`.

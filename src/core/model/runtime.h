@@ -1,6 +1,6 @@
 // core/model/runtime.h: device, dtype and thread settings for libtorch, chosen at run time.
 //
-// The same code runs on CPU (Debian's libtorch 1.13) and CUDA (libtorch 2.x): nothing here or in
+// The same code and the same libtorch (2.x, CUDA-enabled) run on CPU and on CUDA: nothing here or in
 // the model hard-codes a device or a dtype. On CPU, fp32 is the compute dtype that performs
 // (bf16 GEMM is ~20x slower on the development machines); `auto` picks it there.
 // Thread-safety: set_compute_threads must be called at start-up, before parallel work.

@@ -1,0 +1,16 @@
+// core/model/device_kernels_stub.cpp: builds without our CUDA kernels (every preset but `cuda`).
+// libtorch still runs the model on CUDA through the references; only our kernels are absent.
+#include "core/model/device_kernels.h"
+#include "util/error.h"
+
+namespace lorasync::model {
+
+bool have_cuda_kernels() { return false; }
+
+namespace cuda {
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) {
+  throw_unsupported("cuda::rms_norm: this build has no CUDA kernels (configure the cuda preset)");
+}
+}  // namespace cuda
+
+}  // namespace lorasync::model

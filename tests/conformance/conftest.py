@@ -1,0 +1,119 @@
+"""Shared helpers of the conformance tests: lorasync against the real Hugging Face stack.
+
+The tests run in the project's .venv (scripts/setup) under ctest (label `conformance`), which
+passes LORASYNC_BINARY and LORASYNC_SHARED_DIR. Everything is local: random models made by
+`lorasync init-model`, servers on port 0 of 127.0.0.1, temp directories; nothing is downloaded
+(HF_HUB_OFFLINE is forced). Each test prints the figures it measured.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]
+BINARY = os.environ.get("LORASYNC_BINARY", str(ROOT / "build/release/apps/lorasync/lorasync"))
+SHARED = Path(os.environ.get("LORASYNC_SHARED_DIR", str(ROOT.parent / "shared")))
+
+
+def lorasync(*args, check=True, timeout=600, input=None):
+    """Runs the lorasync binary; returns the CompletedProcess (text). Fails the test on error."""
+    cmd = [BINARY, *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
+    if check and p.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-4000:]}")
+    return p
+
+
+def write_config(path: Path, **overrides):
+    """A Qwen2 config.json for a small random model (transformers' key names)."""
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "use_sliding_window": False,
+        "attention_dropout": 0.0,
+    }
+    cfg.update(overrides)
+    path.write_text(json.dumps(cfg, indent=2))
+    return cfg
+
+
+def make_model(tmp: Path, name="model", seed=1, init_std=0.08, tokenizer="none", **overrides):
+    """A random Qwen2 by `lorasync init-model --config`: returns its directory."""
+    cfg_path = tmp / f"{name}.config.json"
+    write_config(cfg_path, **overrides)
+    out = tmp / name
+    lorasync("init-model", "--config", cfg_path, "--output", out, "--seed", seed,
+             "--init-std", init_std, "--tokenizer", tokenizer)
+    return out
+
+
+class Server:
+    """A `lorasync serve` or `lorasync proxy` child on a free port of 127.0.0.1."""
+
+    def __init__(self, args, port_key, env=None):
+        self.proc = subprocess.Popen([BINARY, *map(str, args)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self._err = []
+        threading.Thread(target=lambda: self._err.extend(self.proc.stderr), daemon=True).start()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(5)
+            raise RuntimeError(f"{args[0]} did not start: {''.join(self._err)[-3000:]}")
+        j = json.loads(line)
+        self.port = int(j["port"]) if port_key == "port" else int(j["listening"].rsplit(":", 1)[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+
+    def stderr(self):
+        return "".join(self._err)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def serve(model_dir, *extra):
+    return Server(["serve", "--model", model_dir, "--port", 0, "--kv-cache-memory", "64MiB",
+                   "--max-model-len", 512, *extra], "port")
+
+
+def proxy(upstreams, *extra, env=None):
+    args = ["proxy", "--listen", "127.0.0.1:0"]
+    for u in upstreams:
+        args += ["--upstream", u]
+    return Server(args + list(extra), "listening", env=env)
+
+
+def figure(name, value, **details):
+    """Prints one measured figure as a JSON line, and appends it to $LORASYNC_FIGURES (set by
+    ctest; scripts/test prints that file after the run, so CI's log shows every figure)."""
+    row = {"conformance": name, "value": value, **details}
+    line = json.dumps(row)
+    print(line, file=sys.stdout, flush=True)
+    path = os.environ.get("LORASYNC_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    return tmp_path
