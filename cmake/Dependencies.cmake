@@ -45,7 +45,7 @@ endif()
 set(LORASYNC_CUDA_ARCHS "8.0;9.0" CACHE STRING "CUDA architectures (TORCH_CUDA_ARCH_LIST form)")
 set(TORCH_CUDA_ARCH_LIST "${LORASYNC_CUDA_ARCHS}")
 if(NOT DEFINED CMAKE_CUDA_STANDARD)
-  set(CMAKE_CUDA_STANDARD 20)
+  set(CMAKE_CUDA_STANDARD 17)  # CMake 3.25 knows no C++20 flags for nvcc 13; our .cu files are C++17
 endif()
 set(CMAKE_CUDA_EXTENSIONS OFF)
 find_package(Torch 2.0 REQUIRED)
