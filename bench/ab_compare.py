@@ -10,7 +10,7 @@ is the baseline, the other the change, measured on the same machine within minut
 
 Suites: `cpu` = bench gemm (small shapes), bench forward (small: prefill, decode at batch
 1/8/64), bench train (small, rows of 4,096). Metrics where lower is better (times) are
-reported as A/B so that every ratio > 1 means B is faster.
+(unit s or ms) are reported as A/B so that every ratio > 1 means B is better.
 """
 import argparse
 import json
@@ -24,24 +24,37 @@ SUITES = {
         ["bench", "train", "--preset", "small", "--threads", "2", "--steps", "2"],
     ],
 }
-LOWER_IS_BETTER = ("_ms", "_s", "seconds")
-
-
-def key_of(j):
-    c = {k: v for k, v in j.get("config", {}).items() if k not in ("threads", "device", "params")}
-    return " ".join([j["bench"], j["metric"]] + [f"{k}={c[k]}" for k in sorted(c)])
+LOWER_UNITS = ("s", "ms")  # times: lower is better, reported as A/B
+IGNORED = ("threads", "device", "params")
 
 
 def run(binary, args):
+    """Rows (bench, metric, config, value, unit) of one `lorasync bench` invocation."""
     p = subprocess.run([binary, *args], capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"{binary} {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-2000:]}")
-    out = {}
+    rows = []
     for line in p.stdout.splitlines():
         if line.startswith("{"):
             j = json.loads(line)
-            out[key_of(j)] = (j["value"], j.get("unit", ""))
-    return out
+            cfg = {k: v for k, v in j.get("config", {}).items() if k not in IGNORED}
+            rows.append((j["bench"], j["metric"], cfg, j["value"], j.get("unit", "")))
+    return rows
+
+
+def same(r, q):
+    """Same measurement: bench, metric, and every configuration key both sides report."""
+    return r[0] == q[0] and r[1] == q[1] and all(r[2][k] == q[2][k] for k in r[2].keys() & q[2].keys())
+
+
+def keep_best(best, row):
+    for i, b in enumerate(best):
+        if same(b, row):
+            lower = row[4] in LOWER_UNITS
+            if (row[3] < b[3]) if lower else (row[3] > b[3]):
+                best[i] = row
+            return
+    best.append(row)
 
 
 def main():
@@ -49,31 +62,34 @@ def main():
     ap.add_argument("--a", required=True, help="baseline binary")
     ap.add_argument("--b", required=True, help="changed binary")
     ap.add_argument("--suite", default="cpu", choices=sorted(SUITES))
+    ap.add_argument("--only", help="run only the suite's commands containing this word (e.g. train)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out")
     a = ap.parse_args()
-    best = {"a": {}, "b": {}}
+    best = {"a": [], "b": []}
     for args in SUITES[a.suite]:
+        if a.only and a.only not in args:
+            continue
         for _ in range(a.repeats):
             for side, binary in (("a", a.a), ("b", a.b)):
-                for k, (v, unit) in run(binary, args).items():
-                    lower = k.split()[1].endswith(LOWER_IS_BETTER) or unit in ("s", "ms")
-                    cur = best[side].get(k)
-                    if cur is None or (v < cur[0] if lower else v > cur[0]):
-                        best[side][k] = (v, unit)
-    rows = []
-    print(f"{'metric':60s} {'A':>12s} {'B':>12s} {'B vs A':>8s}")
-    for k in best["a"]:
-        if k not in best["b"]:
+                for row in run(binary, args):
+                    keep_best(best[side], row)
+    out = []
+    print(f"{'measurement':62s} {'A':>11s} {'B':>11s} {'B vs A':>8s}")
+    for ra in best["a"]:
+        rb = next((q for q in best["b"] if same(ra, q)), None)
+        if rb is None:
             continue
-        (va, unit), (vb, _) = best["a"][k], best["b"][k]
-        lower = k.split()[1].endswith(LOWER_IS_BETTER) or unit in ("s", "ms")
-        ratio = (va / vb if lower else vb / va) if va and vb else float("nan")
-        rows.append({"metric": k, "unit": unit, "a": va, "b": vb, "b_vs_a": ratio})
-        print(f"{k[:60]:60s} {va:12.2f} {vb:12.2f} {ratio:7.2f}x")
+        va, vb, unit = ra[3], rb[3], ra[4]
+        ratio = (va / vb if unit in LOWER_UNITS else vb / va) if va and vb else float("nan")
+        name = " ".join([ra[0], ra[1]] + [f"{k}={v}" for k, v in sorted(ra[2].items())
+                                          if k in ("batch", "m", "n", "k", "preset", "row_tokens")])
+        out.append({"bench": ra[0], "metric": ra[1], "config": ra[2], "unit": unit, "a": va, "b": vb,
+                    "b_vs_a": ratio})
+        print(f"{name[:62]:62s} {va:11.2f} {vb:11.2f} {ratio:7.2f}x")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"a": a.a, "b": a.b, "suite": a.suite, "repeats": a.repeats, "rows": rows}, f,
+            json.dump({"a": a.a, "b": a.b, "suite": a.suite, "repeats": a.repeats, "rows": out}, f,
                       indent=1)
 
 
