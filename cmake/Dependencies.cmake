@@ -58,8 +58,11 @@ endif()
 if(TARGET torch_cpu)
   get_target_property(_torch_inc torch_cpu INTERFACE_INCLUDE_DIRECTORIES)
   list(GET _torch_inc 0 _torch_inc)
-  # One shim per libtorch, shared by every preset (the same include path keeps ccache hits).
-  string(SHA1 _inc_hash "${_torch_inc}")
+  # One shim per libtorch, shared by every preset and named by the libtorch's path relative to the
+  # source tree: every clone gets the same relative include paths, so ccache (CCACHE_BASEDIR)
+  # shares objects across clones and presets.
+  file(RELATIVE_PATH _torch_inc_rel "${PROJECT_SOURCE_DIR}" "${_torch_inc}")
+  string(SHA1 _inc_hash "${_torch_inc_rel}")
   string(SUBSTRING "${_inc_hash}" 0 10 _inc_hash)
   set(_shim "${PROJECT_SOURCE_DIR}/build/torch-include-${_inc_hash}")
   file(REMOVE_RECURSE "${_shim}")
