@@ -33,6 +33,7 @@
 #include "util/log.h"
 #include "util/sha256.h"
 #include "util/strings.h"
+#include "util/json_limits.h"
 
 namespace lorasync::server {
 
@@ -204,6 +205,7 @@ std::string query_param(std::string_view query, std::string_view key) {
 }
 
 json parse_body(const std::string& body) {
+  check_json_depth(body);  // before any DOM work: error paths serialise values
   json j;
   try {
     j = json::parse(body);
@@ -484,7 +486,8 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       std::vector<std::int32_t> ids;
       for (const auto& t : j["tokens"]) {
         if (!t.is_number_integer() || !tokenizer->is_valid_id(t.get<std::int32_t>()))
-          throw Error(ErrorKind::kInvalidInput, fmt::format("tokens holds {}, not a valid token id", t.dump()), "tokens");
+          throw Error(ErrorKind::kInvalidInput, fmt::format("tokens holds {}, not a valid token id",
+                                                                    t.is_structured() ? std::string(t.type_name()) : t.dump()), "tokens");
         ids.push_back(t.get<std::int32_t>());
       }
       r = http::json_response(200, json{{"prompt", tokenizer->decode(ids)}}.dump(-1, ' ', false, json::error_handler_t::replace));

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/tokenizer/chat_template.h"
+#include "util/json_limits.h"
 #include "core/tokenizer/tokenizer.h"
 #include "util/error.h"
 
@@ -19,12 +20,21 @@ namespace {
   throw Error(ErrorKind::kInvalidInput, msg, param);
 }
 
+// A short view of an untrusted value for an error message: scalars as text, containers by their
+// kind and size (never serialised whole).
 std::string shown(const json& v) {
-  auto s = v.dump();
+  if (v.is_object()) return fmt::format("an object of {} keys", v.size());
+  if (v.is_array()) return fmt::format("a list of {} items", v.size());
+  auto s = v.dump(-1, ' ', false, json::error_handler_t::replace);
   return s.size() > 80 ? s.substr(0, 77) + "..." : s;
 }
 
 json parse_object(std::string_view body) {
+  try {
+    check_json_depth(body);
+  } catch (const Error& e) {
+    bad("", e.what());
+  }
   json j;
   try {
     j = json::parse(body.begin(), body.end(), nullptr, true, false);

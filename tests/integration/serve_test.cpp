@@ -207,6 +207,24 @@ TEST_F(Serve, ChatLogprobsInTheChatShape) {
                400, "top_logprobs must be in [0, 1000]", "top_logprobs");
 }
 
+// A body nested a million levels deep is refused with a 400 before any DOM work (error messages
+// used to serialise the value recursively and overflow the io thread's stack), on the completion
+// routes and the others; the replica keeps serving.
+TEST_F(Serve, DeeplyNestedBodiesAreRefusedAndTheReplicaSurvives) {
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  for (const char* path : {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                           "/v1/load_lora_adapter"}) {
+    auto r = f().post_raw(path, std::string(R"({"model": )") + deep + "}");
+    EXPECT_EQ(r.status, 400) << path << ": " << r.body.substr(0, 300);
+    EXPECT_NE(r.body.find("deeper than 64 levels"), std::string::npos) << path << ": " << r.body.substr(0, 300);
+  }
+  // A shallow container in a wrong field is described, not dumped.
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"seed", {{"a", 1}, {"b", 2}}}}), 400,
+               "seed must be an integer, got an object of 2 keys", "seed");
+  auto ok = f().post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 2}}, {"max_tokens", 2}});
+  EXPECT_EQ(ok.status, 200) << ok.body;
+}
+
 TEST_F(Serve, DocumentedErrors) {
   expect_error(f().post_raw("/v1/completions", "{not json"), 400, "not valid JSON");
   expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"temperature", "hot"}}), 400,

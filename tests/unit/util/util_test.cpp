@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <random>
+
+#include "util/json_limits.h"
 #include "util/bench_report.h"
 #include "util/error.h"
 #include "util/files.h"
@@ -66,6 +69,42 @@ TEST(Bench, Percentile) {
   EXPECT_DOUBLE_EQ(percentile({1, 2, 3, 4, 5}, 50), 3);
   EXPECT_DOUBLE_EQ(percentile({1, 2}, 100), 2);
   EXPECT_DOUBLE_EQ(percentile({}, 99), 0);
+}
+
+// The depth scan of untrusted JSON: brackets inside strings (escaped quotes too) do not count,
+// counting stops past the limit, and random bracket strings agree with a direct count.
+TEST(JsonLimits, NestingDepthIgnoresStringsAndStopsAtTheLimit) {
+  EXPECT_EQ(json_nesting_depth("{}"), 1u);
+  EXPECT_EQ(json_nesting_depth(R"({"a": [1, {"b": [[]]}]})"), 5u);
+  EXPECT_EQ(json_nesting_depth(R"({"a": "[[[[{{{{", "b": "\"[[["})"), 1u);
+  EXPECT_EQ(json_nesting_depth("42"), 0u);
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  EXPECT_EQ(json_nesting_depth(deep, 64), 65u);
+  EXPECT_NO_THROW(check_json_depth(std::string(64, '[') + std::string(64, ']')));
+  try {
+    check_json_depth(R"({"model": )" + deep + "}");
+    FAIL() << "a million levels were accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput);
+    EXPECT_NE(std::string(e.what()).find("deeper than 64 levels"), std::string::npos) << e.what();
+  }
+  std::mt19937 rng(7);
+  for (int t = 0; t < 200; ++t) {
+    std::string s;
+    std::size_t depth = 0, deepest = 0;
+    for (int i = 0; i < 200; ++i) {
+      if (rng() % 2 == 0) {
+        s += (rng() % 2) ? '[' : '{';
+        deepest = std::max(deepest, ++depth);
+      } else if (depth > 0) {
+        s += (rng() % 2) ? ']' : '}';
+        --depth;
+      } else {
+        s += R"("x[{\"")";
+      }
+    }
+    EXPECT_EQ(json_nesting_depth(s, 1000), deepest) << s;
+  }
 }
 
 }  // namespace
