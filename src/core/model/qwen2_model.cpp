@@ -1,7 +1,6 @@
 #include "core/model/qwen2_model.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
