@@ -497,6 +497,10 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       auto name = string_field(j, "lora_name");
       auto lpath = string_field(j, "lora_path");
       if (name.empty()) throw Error(ErrorKind::kInvalidInput, "lora_name must not be empty", "lora_name");
+      // vLLM's `load_inplace` (TRL sends false): names are immutable here, so a true value can only
+      // reload the same content (200); other content under a loaded name stays a 409.
+      if (j.contains("load_inplace") && !j["load_inplace"].is_boolean() && !j["load_inplace"].is_null())
+        throw Error(ErrorKind::kInvalidInput, "load_inplace must be a boolean", "load_inplace");
       std::function<engine::LoadOutcome()> job = [this, name, lpath] {
         auto a = engine::read_adapter(name, lpath, opt.allowed_adapter_roots, model->config(),
                                       opt.max_lora_rank, model->device());
@@ -530,6 +534,9 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       need("POST");
       engine->resume();
       r = http::json_response(200, json{{"status", "resumed"}}.dump());
+    } else if (path == "/get_world_size") {
+      // vLLM's inference world size (tensor x pipeline parallel processes): one engine here.
+      r = http::json_response(200, json{{"world_size", 1}}.dump());
     } else if (path == "/is_paused") {
       r = http::json_response(200, json{{"is_paused", engine->is_paused()}}.dump());
     } else if (path == "/reset_prefix_cache") {

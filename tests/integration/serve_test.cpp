@@ -306,6 +306,37 @@ TEST_F(Serve, AdapterServingMatchesTrainerLogprobs) {
   expect_error(f().post("/v1/completions", {{"model", "policy-v1"}, {"prompt", {1}}}), 404, "policy-v1");
 }
 
+// The vLLM shapes TRL's AsyncGRPOTrainer client reads (trl/experimental/async_grpo/vllm_client.py
+// and async_rollout_worker.py), each as TRL sends it; tests/conformance/test_trl_async_grpo.py
+// runs TRL itself.
+TEST_F(Serve, TrlAsyncGrpoClientShapes) {
+  auto ws = f().get("/get_world_size");
+  ASSERT_EQ(ws.status, 200) << ws.body;
+  EXPECT_EQ(json::parse(ws.body)["world_size"], 1);
+  auto v = json::parse(f().get("/server_info?config_format=json").body)["vllm_config"];
+  EXPECT_EQ(v["model_config"]["dtype"], "float32");
+  EXPECT_EQ(v["parallel_config"]["data_parallel_size"], 1);
+  EXPECT_EQ(v["lora_config"]["max_lora_rank"], 8);
+  // Generation: token-id prompt, return_token_ids, logprobs 0, top_k 0 (off), a 63-bit seed.
+  json gen = {{"model", "tiny"}, {"prompt", {5, 6, 7}}, {"max_tokens", 4}, {"temperature", 1.0}, {"top_p", 1.0},
+              {"top_k", 0}, {"repetition_penalty", 1.0}, {"n", 1}, {"return_token_ids", true}, {"logprobs", 0},
+              {"seed", 9223372036854775807LL}, {"ignore_eos", true}};
+  auto r = f().post("/v1/completions", gen);
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto c = json::parse(r.body)["choices"][0];
+  EXPECT_EQ(c["token_ids"].size(), 4u);
+  EXPECT_EQ(c["logprobs"]["token_logprobs"].size(), 4u);
+  // Adapter loads carry vLLM's load_inplace flag (TRL sends false); a non-boolean is named.
+  auto dir = f().make_adapter("trl-policy-v1", 21);
+  json load = {{"lora_name", "trl-policy-v1"}, {"lora_path", dir.string()}, {"load_inplace", false}};
+  EXPECT_EQ(f().post("/v1/load_lora_adapter", load).status, 200);
+  load["load_inplace"] = true;  // the same content again: already loaded
+  EXPECT_EQ(f().post("/v1/load_lora_adapter", load).status, 200);
+  load["load_inplace"] = "yes";
+  expect_error(f().post("/v1/load_lora_adapter", load), 400, "load_inplace must be a boolean", "load_inplace");
+  EXPECT_EQ(f().post("/v1/unload_lora_adapter", {{"lora_name", "trl-policy-v1"}}).status, 200);
+}
+
 TEST_F(Serve, PauseResumeAndResetPrefixCache) {
   EXPECT_EQ(f().post("/pause?mode=keep", json::object()).status, 200);
   EXPECT_EQ(json::parse(f().get("/is_paused").body)["is_paused"], true);
