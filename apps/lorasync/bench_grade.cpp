@@ -7,10 +7,14 @@
 //   sampled             sampled-style completions (a few hundred words of reasoning with inline
 //                       maths, then a box: correct, rewritten or another row's answer; some after
 //                       </think>, some without a box)
+// Each workload is timed on one thread (grades/s, p50, p99) and, with --threads N > 1 (default: all
+// cores), by N threads grading concurrently (`*_grades_per_s_all_cores`, over wall time).
 // Baseline, same run, same inputs: extraction of the box plus the canonical-string check alone
 // (what a Hendrycks-style normaliser costs; with the same raw-equality shortcut the verifier
 // takes). ratio = full verifier / baseline: for grades/s it is at most ~1 (below 1 is the price
 // of the maths), for the times at least ~1.
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +22,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "commands.h"
@@ -33,6 +38,7 @@ struct BenchGradeOptions {
   std::string data_dir = std::string(LORASYNC_SOURCE_DIR) + "/../shared/data";
   double seconds = 1.0;  // minimum time per workload and method
   std::uint64_t seed = 1;
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));  // all cores
 };
 
 struct Item {
@@ -166,19 +172,41 @@ Measured measure(const std::vector<Item>& items, double min_seconds, F&& one) {
   return m;
 }
 
+// All cores: `threads` threads grade the same items concurrently for at least `min_seconds`;
+// grades/s over the wall time.
+template <typename F>
+double measure_parallel(const std::vector<Item>& items, double min_seconds, int threads, F one) {
+  std::atomic<long long> n{0};
+  const double start = now_seconds();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      std::size_t i = static_cast<std::size_t>(t) * 7919 % std::max<std::size_t>(1, items.size());
+      long long local = 0;
+      do {
+        for (std::size_t k = 0; k < 256; ++k, ++local) {
+          one(items[i]);
+          if (++i == items.size()) i = 0;
+        }
+      } while (now_seconds() - start < min_seconds);
+      n += local;
+    });
+  for (auto& t : ts) t.join();
+  return static_cast<double>(n.load()) / (now_seconds() - start);
+}
+
 int run(const BenchGradeOptions& o) {
   std::vector<std::string> answers = load_answers(o.data_dir);
   BenchReporter rep;
   for (const char* workload : {"reference_self", "reference_rewrites", "sampled"}) {
     std::vector<Item> items = build(workload, answers, o.seed);
-    Measured base = measure(items, o.seconds, [](const Item& it) {
+    auto base_fn = [](const Item& it) {
       auto box = reward::extract_last_boxed(reward::after_think(it.completion));
-      return box && (trimmed(*box) == trimmed(it.reference) ||
-                     reward::canonical_string_equal(*box, it.reference));
-    });
-    Measured full = measure(items, o.seconds, [](const Item& it) {
-      return reward::grade(it.completion, it.reference).correct;
-    });
+      return box && (trimmed(*box) == trimmed(it.reference) || reward::canonical_string_equal(*box, it.reference));
+    };
+    auto full_fn = [](const Item& it) { return reward::grade(it.completion, it.reference).correct; };
+    Measured base = measure(items, o.seconds, base_fn);
+    Measured full = measure(items, o.seconds, full_fn);
     nlohmann::json cfg = {{"workload", workload},
                           {"items", items.size()},
                           {"grades_timed", full.n},
@@ -190,6 +218,12 @@ int run(const BenchGradeOptions& o) {
     rep.emit({"grade", w + "_grades_per_s", full.grades_per_s, "grades/s", base.grades_per_s, cfg});
     rep.emit({"grade", w + "_p50_us", full.p50_us, "us", base.p50_us, cfg});
     rep.emit({"grade", w + "_p99_us", full.p99_us, "us", base.p99_us, cfg});
+    if (o.threads > 1) {
+      const double bp = measure_parallel(items, o.seconds, o.threads, base_fn);
+      const double fp = measure_parallel(items, o.seconds, o.threads, full_fn);
+      cfg["threads"] = o.threads;
+      rep.emit({"grade", w + "_grades_per_s_all_cores", fp, "grades/s", bp, cfg});
+    }
   }
   rep.print_table();
   return 0;
@@ -203,6 +237,8 @@ void register_bench_grade(CLI::App& bench, Registry& reg) {
   sub->add_option("--data-dir", o->data_dir, "directory of *.jsonl rows with 'answer'")->capture_default_str();
   sub->add_option("--seconds", o->seconds, "minimum time per workload and method")->capture_default_str();
   sub->add_option("--seed", o->seed, "seed of the sampled-completion generator")->capture_default_str();
+  sub->add_option("--threads", o->threads, "threads of the all-cores rows (1 = single-threaded rows only)")
+      ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });
 }
 

@@ -78,10 +78,28 @@ RewardOutput CompositeReward::score(const RewardInput& in) const {
   return out;
 }
 
+bool CompositeReward::parallel_members() const {
+  return std::any_of(parts_.begin(), parts_.end(), [](const auto& p) { return p.first->parallel_members(); });
+}
+
+void CompositeReward::shutdown() const {
+  for (const auto& p : parts_) p.first->shutdown();
+}
+
+const char* failure_name(RewardFailure f) {
+  switch (f) {
+    case RewardFailure::kTimeout: return "timeout";
+    case RewardFailure::kCrashed: return "crashed";
+    case RewardFailure::kInvalidOutput: return "invalid_output";
+    case RewardFailure::kUnavailable: return "unavailable";
+  }
+  return "unknown";
+}
+
 std::shared_ptr<const RewardFunction> make_reward_function(std::string_view name) {
   if (name == "math_boxed") return std::make_shared<MathBoxedReward>();
   if (name == "format_boxed") return std::make_shared<FormatBoxedReward>();
-  throw_invalid("unknown reward function '{}' (known: math_boxed, format_boxed)", name);
+  throw_invalid("unknown reward function '{}' (known: math_boxed, format_boxed; external rewards are defined in [rewards.NAME] tables)", name);
 }
 
 std::shared_ptr<const RewardFunction> make_reward_from_spec(std::string_view spec) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -50,11 +51,36 @@ struct RewardOutput {
   std::vector<RewardComponent> components;  // per function (composites)
 };
 
+// How an external reward call failed (rl/external_reward.h). The trainer gives the member NaN
+// (excluded from its group's statistics) and counts the failure by kind.
+enum class RewardFailure {
+  kTimeout,        // past the call's hard deadline: the process was killed / the request abandoned
+  kCrashed,        // the process exited or was killed (rlimit), the connection failed, HTTP 5xx
+  kInvalidOutput,  // an answer that is not a finite reward in [0, 1]
+  kUnavailable,    // cannot start the command, or shutting down
+};
+const char* failure_name(RewardFailure f);
+
+class RewardCallFailed : public std::runtime_error {
+ public:
+  RewardCallFailed(RewardFailure kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+  RewardFailure kind() const { return kind_; }
+
+ private:
+  RewardFailure kind_;
+};
+
 class RewardFunction {
  public:
   virtual ~RewardFunction() = default;
   virtual std::string name() const = 0;
   virtual RewardOutput score(const RewardInput& input) const = 0;
+  // True when calls are slow and independent (external processes, servers): the trainer then
+  // scores the members of a group concurrently. Built-in functions take microseconds: false.
+  virtual bool parallel_members() const { return false; }
+  // Abandon every call in progress and refuse new ones (kUnavailable), without waiting on them:
+  // used on SIGTERM so that a hung reward never delays the checkpoint. Idempotent.
+  virtual void shutdown() const {}
 };
 
 struct MathBoxedOptions {
@@ -83,7 +109,9 @@ class CompositeReward final : public RewardFunction {
   // InvalidInput for an empty list, a null function or a negative/non-finite weight.
   explicit CompositeReward(std::vector<std::pair<std::shared_ptr<const RewardFunction>, double>> parts);
   std::string name() const override;
-  RewardOutput score(const RewardInput& input) const override;
+  RewardOutput score(const RewardInput& input) const override;  // a part's failure propagates
+  bool parallel_members() const override;                        // any part's
+  void shutdown() const override;                                // every part's
 
  private:
   std::vector<std::pair<std::shared_ptr<const RewardFunction>, double>> parts_;

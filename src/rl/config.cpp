@@ -2,6 +2,7 @@
 
 #include <toml++/toml.h>
 
+#include <cctype>
 #include <sstream>
 #include <variant>
 
@@ -73,6 +74,47 @@ std::vector<Binding> bindings(TrainConfig& c) {
   };
 }
 
+// The keys of one [rewards.NAME] table (section "rewards.NAME").
+std::vector<Binding> reward_bindings(const std::string& name, ExternalRewardOptions& o) {
+  const std::string sec = "rewards." + name;
+  return {{sec, "kind", &o.kind}, {sec, "command", &o.command}, {sec, "workdir", &o.workdir}, {sec, "url", &o.url},
+          {sec, "bearer_token_env", &o.bearer_token_env}, {sec, "workers", &o.workers}, {sec, "timeout_s", &o.timeout_s},
+          {sec, "cpu_s", &o.cpu_s}, {sec, "memory_mb", &o.memory_mb}, {sec, "network", &o.network},
+          {sec, "max_output_bytes", &o.max_output_bytes}};
+}
+
+bool valid_reward_name(const std::string& n) {
+  if (n.empty() || n.size() > 64) return false;
+  for (char ch : n)
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '-') return false;
+  return true;
+}
+
+ExternalRewardOptions& reward_entry(TrainConfig& c, const std::string& name, const std::string& where) {
+  if (!valid_reward_name(name))
+    throw_invalid("{}: reward name \"{}\" must be 1-64 letters, digits, '_' or '-'", where, name);
+  auto& o = c.rewards[name];
+  o.name = name;
+  return o;
+}
+
+// Writes one bound value into a TOML table under its key.
+void put(toml::table& t, const Binding& b) {
+  std::visit(
+      [&](auto* f) {
+        using T = std::remove_pointer_t<decltype(f)>;
+        if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::int64_t> ||
+                      std::is_same_v<T, double> || std::is_same_v<T, bool>) {
+          t.insert_or_assign(b.key, *f);
+        } else {
+          toml::array a;
+          for (const auto& e : *f) a.push_back(e);
+          t.insert_or_assign(b.key, a);
+        }
+      },
+      b.field);
+}
+
 std::string full_key(const Binding& b) { return b.section.empty() ? b.key : b.section + "." + b.key; }
 
 void assign(const Binding& b, const toml::node& n, const std::string& where) {
@@ -137,6 +179,20 @@ void apply_table(TrainConfig& c, const toml::table& root, const std::string& lab
   auto bs = bindings(c);
   for (const auto& [k, v] : root) {
     const std::string key(k.str());
+    if (key == "rewards" && v.is_table()) {
+      for (const auto& [name, t] : *v.as_table()) {
+        const std::string n(name.str());
+        if (!t.is_table()) throw_invalid("{}: rewards.{} must be a table ([rewards.{}])", label, n, n);
+        auto& o = reward_entry(c, n, label);
+        auto rbs = reward_bindings(n, o);
+        for (const auto& [k2, v2] : *t.as_table()) {
+          const Binding* b = find(rbs, "rewards." + n, std::string(k2.str()));
+          if (b == nullptr) throw_invalid("{}: unknown key rewards.{}.{}", label, n, std::string(k2.str()));
+          assign(*b, v2, label);
+        }
+      }
+      continue;
+    }
     if (v.is_table()) {
       for (const auto& [k2, v2] : *v.as_table()) {
         const Binding* b = find(bs, key, std::string(k2.str()));
@@ -169,7 +225,14 @@ TrainConfig TrainConfig::parse(const std::string& text, const std::string& label
     const std::string section = dot != std::string::npos && dot < eq ? path.substr(0, dot) : "";
     const std::string key = section.empty() ? path : path.substr(dot + 1);
     auto bs = bindings(c);
-    const Binding* b = find(bs, section, key);
+    if (section == "rewards") {  // rewards.NAME.key
+      const auto dot2 = key.find('.');
+      if (dot2 == std::string::npos) throw_invalid("--set {}: expected rewards.NAME.key=value", o);
+      auto& entry = reward_entry(c, key.substr(0, dot2), "--set " + o);
+      bs = reward_bindings(entry.name, entry);
+    }
+    const Binding* b = section == "rewards" ? find(bs, "rewards." + key.substr(0, key.find('.')), key.substr(key.find('.') + 1))
+                                            : find(bs, section, key);
     if (b == nullptr) throw_invalid("--set {}: unknown key {}", o, path);
     toml::table t;
     try {
@@ -209,6 +272,17 @@ void TrainConfig::validate() const {
     throw_invalid("grpo.advantage must be dr_grpo or grpo; got \"{}\"", g.advantage);
   if (g.loss_agg != "seq_sum_const" && g.loss_agg != "token_mean")
     throw_invalid("grpo.loss_agg must be seq_sum_const or token_mean; got \"{}\"", g.loss_agg);
+  for (const auto& [name, r] : rewards) {
+    if (r.kind != "command" && r.kind != "http")
+      throw_invalid("rewards.{}.kind must be \"command\" or \"http\", got \"{}\"", name, r.kind);
+    if (r.kind == "command" && r.command.empty())
+      throw_invalid("rewards.{}.command must name a program (a list: [\"python3\", \"score.py\"])", name);
+    if (r.kind == "http" && r.url.empty()) throw_invalid("rewards.{}.url is required for kind = \"http\"", name);
+    if (r.workers < 1) throw_invalid("rewards.{}.workers must be at least 1, got {}", name, r.workers);
+    if (!(r.timeout_s > 0)) throw_invalid("rewards.{}.timeout_s must be positive, got {}", name, r.timeout_s);
+    if (name == "math_boxed" || name == "format_boxed")
+      throw_invalid("rewards.{}: the name of a built-in reward function cannot be redefined", name);
+  }
   if (g.reward_weights.size() != g.reward_funcs.size())
     throw_invalid("grpo.reward_weights has {} entries but grpo.reward_funcs has {}", g.reward_weights.size(),
                   g.reward_funcs.size());
@@ -255,19 +329,16 @@ std::string TrainConfig::to_toml() const {
       if (!root.contains(b.section)) root.insert(b.section, toml::table{});
       t = root.get(b.section)->as_table();
     }
-    std::visit(
-        [&](auto* f) {
-          using T = std::remove_pointer_t<decltype(f)>;
-          if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::int64_t> ||
-                        std::is_same_v<T, double> || std::is_same_v<T, bool>) {
-            t->insert_or_assign(b.key, *f);
-          } else {
-            toml::array a;
-            for (const auto& e : *f) a.push_back(e);
-            t->insert_or_assign(b.key, a);
-          }
-        },
-        b.field);
+    put(*t, b);
+  }
+  if (!copy.rewards.empty()) {
+    toml::table rt;
+    for (auto& [name, r] : copy.rewards) {
+      toml::table t;
+      for (const auto& b : reward_bindings(name, r)) put(t, b);
+      rt.insert_or_assign(name, std::move(t));
+    }
+    root.insert_or_assign("rewards", std::move(rt));
   }
   std::ostringstream os;
   os << root << "\n";

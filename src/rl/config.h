@@ -6,8 +6,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
+
+#include "rl/external_reward.h"
 
 namespace lorasync::rl {
 
@@ -91,6 +94,11 @@ struct TrainConfig {
     std::int64_t metrics_port = 9400, log_every = 1;
     double peak_tflops = 989.5;
   } logging;
+
+  // External rewards, [rewards.NAME] tables (rl/external_reward.h), named in grpo.reward_funcs like
+  // the built-in ones: kind, command, workdir, url, bearer_token_env, workers, timeout_s, cpu_s,
+  // memory_mb, network, max_output_bytes. `--set rewards.NAME.key=value` works as elsewhere.
+  std::map<std::string, ExternalRewardOptions> rewards;
 
   // Defaults < file (may be empty) < overrides ("section.key=value", values in TOML syntax).
   // InvalidInput naming the file/override and the key on any problem.

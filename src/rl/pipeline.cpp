@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -133,6 +134,7 @@ struct Pipeline::Impl {
         adv_mode(parse_advantage_mode(opt.cfg.grpo.advantage)) {
     for (const char* k : {"rollout/retry_total", "rollout/failed_total", "rollout/cancelled_stale_total",
                           "rollout/abandoned_total", "rollout/reward_timeout_total", "rollout/invalid_response_total",
+                          "rollout/reward_crashed_total", "rollout/reward_invalid_total", "rollout/reward_error_total",
                           "sample/dropped_stale_total"})
       counters[k] = 0;
   }
@@ -449,38 +451,69 @@ struct Pipeline::Impl {
       }
       const double t0 = now_s();
       const Problem& pr = problem(g.prompt.index);
-      std::vector<double> rewards;
-      std::int64_t timeouts = 0;
-      for (auto& m : g.members) {
+      // Each member's reward; NaN (left out of the group's statistics) when the function failed.
+      std::atomic<std::int64_t> timeouts{0}, crashed{0}, invalid{0}, errors{0};
+      auto score_member = [&](Member& m) {
         if (m.finish == "length") {
           m.reward = opt.cfg.grpo.truncated_reward;
-        } else {
-          std::vector<std::int32_t> ids = m.ids;
-          if (!ids.empty() && std::find(opt.stop_ids.begin(), opt.stop_ids.end(), ids.back()) != opt.stop_ids.end())
-            ids.pop_back();
-          const std::string text = tokenizer.decode(ids, /*skip_special=*/true);
-          reward::RewardInput in{pr.problem, text, ids, m.finish, pr.answers};
-          const double r0 = now_s();
-          try {
-            auto out = reward->score(in);
-            m.reward = out.reward;
-            m.parts.clear();
-            for (const auto& c : out.components) m.parts.push_back(c.value);
-            if (m.parts.empty()) m.parts.push_back(out.reward);
-          } catch (const std::exception& e) {
-            LS_LOG_WARN("trainer", "reward function failed on prompt {}: {}", g.prompt.index, e.what());
-            m.reward = std::numeric_limits<double>::quiet_NaN();
-          }
-          if (now_s() - r0 > opt.cfg.grpo.reward_timeout_s) {  // late results are discarded
-            m.reward = opt.cfg.grpo.reward_on_timeout;
-            ++timeouts;
-          }
+          return;
         }
-        rewards.push_back(m.reward);
+        std::vector<std::int32_t> ids = m.ids;
+        if (!ids.empty() && std::find(opt.stop_ids.begin(), opt.stop_ids.end(), ids.back()) != opt.stop_ids.end())
+          ids.pop_back();
+        const std::string text = tokenizer.decode(ids, /*skip_special=*/true);
+        reward::RewardInput in{pr.problem, text, ids, m.finish, pr.answers};
+        const double r0 = now_s();
+        try {
+          auto out = reward->score(in);
+          m.reward = out.reward;
+          m.parts.clear();
+          for (const auto& c : out.components) m.parts.push_back(c.value);
+          if (m.parts.empty()) m.parts.push_back(out.reward);
+        } catch (const reward::RewardCallFailed& e) {
+          // External rewards enforce their own hard deadline (the call was killed or abandoned).
+          if (e.kind() != reward::RewardFailure::kUnavailable) LS_LOG_WARN("trainer", "reward on prompt {}: {}", g.prompt.index, e.what());
+          m.reward = std::numeric_limits<double>::quiet_NaN();
+          switch (e.kind()) {
+            case reward::RewardFailure::kTimeout: ++timeouts; break;
+            case reward::RewardFailure::kCrashed: ++crashed; break;
+            case reward::RewardFailure::kInvalidOutput: ++invalid; break;
+            case reward::RewardFailure::kUnavailable: ++errors; break;
+          }
+          return;
+        } catch (const std::exception& e) {
+          LS_LOG_WARN("trainer", "reward function failed on prompt {}: {}", g.prompt.index, e.what());
+          m.reward = std::numeric_limits<double>::quiet_NaN();
+          ++errors;
+          return;
+        }
+        if (now_s() - r0 > opt.cfg.grpo.reward_timeout_s) {  // built-ins: late results are discarded
+          m.reward = opt.cfg.grpo.reward_on_timeout;
+          ++timeouts;
+        }
+      };
+      if (reward->parallel_members() && g.members.size() > 1) {
+        std::vector<std::thread> ts;
+        ts.reserve(g.members.size());
+        for (auto& m : g.members) ts.emplace_back([&score_member, &m] { score_member(m); });
+        for (auto& t : ts) t.join();
+      } else {
+        for (auto& m : g.members) score_member(m);
       }
+      std::vector<double> rewards;
+      for (const auto& m : g.members) rewards.push_back(m.reward);
       auto adv = group_advantages(rewards, adv_mode);
       std::unique_lock lk(mu);
-      counters["rollout/reward_timeout_total"] += timeouts;
+      counters["rollout/reward_timeout_total"] += timeouts.load();
+      counters["rollout/reward_crashed_total"] += crashed.load();
+      counters["rollout/reward_invalid_total"] += invalid.load();
+      counters["rollout/reward_error_total"] += errors.load();
+      if (stopping) {  // shutting down: the rewards were abandoned; keep the group unscored
+        active.erase(key);
+        for (auto& m : g.members) m.reward = std::numeric_limits<double>::quiet_NaN();
+        scoring.push_front(std::move(g));
+        return;
+      }
       g.score_s = now_s() - t0;
       window.score_s_sum += g.score_s;
       ++window.scored_groups;
@@ -577,6 +610,7 @@ void Pipeline::stop() {
       asio::post(I.ctx, [sig] { sig->fire(); });
     }
   }
+  I.reward->shutdown();  // external rewards: kill or abandon calls in progress, never wait on them
   I.cv_score.notify_all();
   I.cv_space.notify_all();
   I.cv_trainer.notify_all();

@@ -133,7 +133,11 @@ void Trainer::load_model_and_data() {
   std::vector<std::pair<std::shared_ptr<const reward::RewardFunction>, double>> parts;
   for (std::size_t i = 0; i < cfg_.grpo.reward_funcs.size(); ++i) {
     try {
-      parts.emplace_back(reward::make_reward_function(cfg_.grpo.reward_funcs[i]), cfg_.grpo.reward_weights[i]);
+      const std::string& fname = cfg_.grpo.reward_funcs[i];
+      auto ext = cfg_.rewards.find(fname);
+      parts.emplace_back(ext != cfg_.rewards.end() ? make_external_reward(ext->second)
+                                                   : reward::make_reward_function(fname),
+                         cfg_.grpo.reward_weights[i]);
     } catch (const Error& e) {
       refuse(std::string("grpo.reward_funcs: ") + e.what());
     }

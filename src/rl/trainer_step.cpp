@@ -2,6 +2,7 @@
 // loss, backward, clipping, AdamW, fp16 scaling), its metrics and the console line (trainer.md §2-3, §6).
 #include "rl/trainer_impl.h"
 
+#include <cmath>
 #include <ATen/core/grad_mode.h>
 
 namespace lorasync::rl::detail {
@@ -214,21 +215,25 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   std::vector<double> part_sums(reward_names_.size(), 0.0);
   double stale_sum = 0, stale_max = 0, tq = 0;
   const double tnow = now_s();
+  double scored = 0;  // members with a reward (a failed external reward leaves NaN: excluded)
   for (const auto& g : groups) {
-    double gm = 0, gs = 0;
-    for (const auto& mem : g.members) gm += mem.reward;
-    gm /= static_cast<double>(g.members.size());
-    for (const auto& mem : g.members) gs += (mem.reward - gm) * (mem.reward - gm);
-    gs = std::sqrt(gs / static_cast<double>(g.members.size()));
+    double gm = 0, gs = 0, gn = 0;
+    for (const auto& mem : g.members)
+      if (!std::isnan(mem.reward)) gm += mem.reward, gn += 1;
+    gm /= std::max(1.0, gn);
+    for (const auto& mem : g.members)
+      if (!std::isnan(mem.reward)) gs += (mem.reward - gm) * (mem.reward - gm);
+    gs = std::sqrt(gs / std::max(1.0, gn));
     rstd_sum += gs;
     if (gs == 0) zero_std += 1;
     const auto s = static_cast<double>(pipe_->staleness_of(g));
     for (const auto& mem : g.members) {
-      rsum += mem.reward;
+      if (!std::isnan(mem.reward)) rsum += mem.reward, scored += 1;
       if (mem.finish == "length") clipped += 1;
       minlen = std::min<std::int64_t>(minlen, static_cast<std::int64_t>(mem.ids.size()));
       maxlen = std::max<std::int64_t>(maxlen, static_cast<std::int64_t>(mem.ids.size()));
-      for (std::size_t k = 0; k < part_sums.size() && k < mem.parts.size(); ++k) part_sums[k] += mem.parts[k];
+      for (std::size_t k = 0; !std::isnan(mem.reward) && k < part_sums.size() && k < mem.parts.size(); ++k)
+        part_sums[k] += mem.parts[k];
       stale_sum += s;
       stale_max = std::max(stale_max, s);
       tq += tnow - g.enqueued_at;
@@ -240,8 +245,8 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   m["grad_norm"] = gnorm;
   m["learning_rate"] = lr_at(std::max<std::int64_t>(0, opt_->steps() - 1));
   if (fp16) m["loss_scale"] = loss_scale_;
-  m["reward"] = rsum / dn;
-  for (std::size_t k = 0; k < reward_names_.size(); ++k) m["rewards/" + reward_names_[k]] = part_sums[k] / dn;
+  m["reward"] = rsum / std::max(1.0, scored);
+  for (std::size_t k = 0; k < reward_names_.size(); ++k) m["rewards/" + reward_names_[k]] = part_sums[k] / std::max(1.0, scored);
   m["reward_std"] = rstd_sum / static_cast<double>(groups.size());
   m["frac_reward_zero_std"] = zero_std / static_cast<double>(groups.size());
   m["completions/mean_length"] = static_cast<double>(total_completion) / dn;

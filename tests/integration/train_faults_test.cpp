@@ -12,8 +12,10 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "http/server.h"
+#include "util/child_process.h"
 #include "util/files.h"
 #include "util/jsonl.h"
 #include "util/run_command.h"
@@ -89,28 +91,37 @@ class FakeServer {
   std::unique_ptr<http::Server> server_;
 };
 
-TEST(TrainFaults, RetriesRejectsAndStopsOnAPermanent400WithACheckpoint) {
-  TempDir dir("lorasync-train-faults");
-  const fs::path model = dir.path() / "tiny", out = dir.path() / "run";
-  auto r = testing::run_lorasync("init-model --preset tiny --seed 5 --init-std 0.1 --tokenizer " +
-                                 testing::shell_quote(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer") +
-                                 " --output " + testing::shell_quote(model.string()));
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  {
-    std::ofstream f(dir.path() / "train.jsonl");
-    for (int i = 0; i < 12; ++i) f << json{{"problem", "What is " + std::to_string(i) + " + 1?"}, {"answer", std::to_string(i + 1)}}.dump() << "\n";
+// A tiny model, 12 problems and a configuration against the fake; `extra` is appended TOML.
+struct TrainRun {
+  TempDir dir{"lorasync-train-faults"};
+  fs::path model = dir.path() / "tiny", out = dir.path() / "run", config = dir.path() / "t.toml";
+  TrainRun(std::uint16_t port, int max_steps, const std::string& grpo_extra = "", const std::string& extra = "") {
+    auto r = testing::run_lorasync("init-model --preset tiny --seed 5 --init-std 0.1 --tokenizer " +
+                                   testing::shell_quote(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer") +
+                                   " --output " + testing::shell_quote(model.string()));
+    if (r.exit_code != 0) throw std::runtime_error(r.err);
+    {
+      std::ofstream f(dir.path() / "train.jsonl");
+      for (int i = 0; i < 12; ++i) f << json{{"problem", "What is " + std::to_string(i) + " + 1?"}, {"answer", std::to_string(i + 1)}}.dump() << "\n";
+    }
+    std::ofstream(config)
+        << "output_dir = \"" << out.string() << "\"\nmax_steps = " << max_steps << "\n"
+        << "[model]\npath = \"" << model.string() << "\"\nserved_name = \"tiny\"\ndevice = \"cpu\"\ndtype = \"fp32\"\nthreads = 1\n"
+        << "[lora]\nrank = 4\nalpha = 8.0\n[data]\nmax_prompt_tokens = 200\ntrain_file = \"" << (dir.path() / "train.jsonl").string() << "\"\n"
+        << "[generation]\nserver_url = \"http://127.0.0.1:" << port << "\"\nmax_new_tokens = 8\ncontext_len = 1024\nserver_wait_s = 10\n"
+        << "[grpo]\nnum_generations = 4\n" << grpo_extra
+        << "[async]\nmax_inflight = 8\nqueue_maxsize = 32\nscore_workers = 1\nmax_staleness = 1\n"
+        << "retry_backoff_s = 0.01\nretry_backoff_max_s = 0.05\nmax_retries = 8\n"
+        << "[batching]\nsamples_per_step = 8\nrow_tokens = 2048\n[sync]\nweight_sync_steps = 2\n"
+        << "[checkpoint]\nsave_steps = 100\n[logging]\nmetrics_port = 0\n" << extra;
   }
+};
+
+TEST(TrainFaults, RetriesRejectsAndStopsOnAPermanent400WithACheckpoint) {
   FakeServer fake(/*fail_after=*/60);
-  std::ofstream(dir.path() / "t.toml")
-      << "output_dir = \"" << out.string() << "\"\nmax_steps = 50\n"
-      << "[model]\npath = \"" << model.string() << "\"\nserved_name = \"tiny\"\ndevice = \"cpu\"\ndtype = \"fp32\"\nthreads = 1\n"
-      << "[lora]\nrank = 4\nalpha = 8.0\n[data]\nmax_prompt_tokens = 200\ntrain_file = \"" << (dir.path() / "train.jsonl").string() << "\"\n"
-      << "[generation]\nserver_url = \"http://127.0.0.1:" << fake.port() << "\"\nmax_new_tokens = 8\ncontext_len = 1024\nserver_wait_s = 10\n"
-      << "[grpo]\nnum_generations = 4\n[async]\nmax_inflight = 8\nqueue_maxsize = 32\nscore_workers = 1\nmax_staleness = 1\n"
-      << "retry_backoff_s = 0.01\nretry_backoff_max_s = 0.05\nmax_retries = 8\n"
-      << "[batching]\nsamples_per_step = 8\nrow_tokens = 2048\n[sync]\nweight_sync_steps = 2\n"
-      << "[checkpoint]\nsave_steps = 100\n[logging]\nmetrics_port = 0\n";
-  r = testing::run_lorasync("train --config " + testing::shell_quote((dir.path() / "t.toml").string()));
+  TrainRun run(fake.port(), 50);
+  const fs::path& out = run.out;
+  auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()));
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("HTTP 400"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("too large for this deployment"), std::string::npos) << r.err;
@@ -124,6 +135,72 @@ TEST(TrainFaults, RetriesRejectsAndStopsOnAPermanent400WithACheckpoint) {
   // Exit 1 after a checkpoint at the last completed step.
   const std::string latest = read_file(out / "checkpoints" / "latest");
   EXPECT_EQ(latest, fmt::format("step-{:06d}\n", metrics.back()["step"].get<int>()));
+}
+
+// External rewards (trainer.md "External rewards"): a command reward whose workers hang on one
+// call, crash on another and print garbage on a third. Each such member is excluded (NaN) and
+// counted by kind; the run reaches its last step with finite rewards.
+TEST(TrainFaults, ExternalRewardsThatHangCrashOrPrintGarbageAreExcludedAndCounted) {
+  FakeServer fake(/*fail_after=*/100000);
+  TempDir scripts("lorasync-flaky-reward");
+  const fs::path script = scripts.path() / "flaky.py", counter = scripts.path() / "calls";
+  std::ofstream(script) << R"PY(
+import fcntl, json, os, sys, time
+counter = sys.argv[1]
+for line in sys.stdin:
+    with open(counter, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        n = len(f.read()) + 1
+        f.write("x")
+    if n == 3: time.sleep(3600)
+    if n == 6: os._exit(9)
+    if n == 9: print("garbage", flush=True); continue
+    c = json.loads(line)["completion"]
+    print(json.dumps({"reward": (sum(map(ord, c)) % 5) / 4}), flush=True)
+)PY";
+  TrainRun run(fake.port(), 4, "reward_funcs = [\"flaky\"]\nreward_weights = [1.0]\n",
+          "[rewards.flaky]\nkind = \"command\"\ncommand = [\"python3\", \"" + script.string() + "\", \"" +
+              counter.string() + "\"]\nworkers = 2\ntimeout_s = 1.0\n");
+  auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto metrics = testing::read_jsonl(run.out / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 4u) << r.err;
+  for (const auto& m : metrics) {
+    ASSERT_TRUE(m["reward"].is_number()) << m.dump();  // never NaN (null in JSON)
+    ASSERT_TRUE(m["reward_std"].is_number()) << m.dump();
+  }
+  const auto& last = metrics.back();
+  EXPECT_EQ(last["rollout/reward_timeout_total"], 1) << last.dump();
+  EXPECT_EQ(last["rollout/reward_crashed_total"], 1) << last.dump();
+  EXPECT_EQ(last["rollout/reward_invalid_total"], 1) << last.dump();
+  EXPECT_NE(r.err.find("reward flaky: no answer within 1 s"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("exited with status 9"), std::string::npos) << r.err;
+  // The resolved configuration keeps the reward's definition (for --resume).
+  EXPECT_NE(read_file(run.out / "config.toml").find("[rewards.flaky]"), std::string::npos);
+}
+
+// SIGTERM while every reward call hangs (deadline 300 s): the trainer checkpoints and exits within
+// its grace, killing the workers instead of waiting on them.
+TEST(TrainFaults, SigtermNeverWaitsOnAHungReward) {
+  FakeServer fake(/*fail_after=*/100000);
+  TempDir scripts("lorasync-hung-reward");
+  const fs::path script = scripts.path() / "hang.py";
+  std::ofstream(script) << "import sys, time\nfor line in sys.stdin:\n    time.sleep(3600)\n";
+  TrainRun run(fake.port(), 50, "reward_funcs = [\"stuck\"]\nreward_weights = [1.0]\n",
+          "[rewards.stuck]\nkind = \"command\"\ncommand = [\"python3\", \"" + script.string() + "\"]\ntimeout_s = 300\n");
+  testing::ChildProcess trainer({LORASYNC_BINARY, "train", "--config", run.config.string()});
+  for (int i = 0; i < 600 && fake.completions() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_GE(fake.completions(), 4) << trainer.stderr_text();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the scorer is inside a hung call
+  const auto t0 = std::chrono::steady_clock::now();
+  trainer.kill(SIGTERM);
+  auto code = trainer.wait_exit(30);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(code.has_value()) << "still running 30 s after SIGTERM:\n" << trainer.stderr_text();
+  EXPECT_EQ(*code, 143) << trainer.stderr_text();
+  EXPECT_LT(took, 15.0);
+  EXPECT_TRUE(fs::exists(run.out / "checkpoints" / "latest")) << trainer.stderr_text();
 }
 
 }  // namespace
