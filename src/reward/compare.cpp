@@ -340,12 +340,48 @@ class Comparer {
           Combo neg_dc{{rc.operands[0], -1}, {rc.operands[1], 1}};
           if (scalar_equal(da, neg_dc, false)) return true;
         }
-        return false;
+        // The same relation written at another scale: 2y = 4x + 2 is y = 2x + 1 (any non-zero
+        // factor for = and !=, a positive one for < and <=, which keeps the direction).
+        return proportional(da, dc, ra.ops[0] == "<" || ra.ops[0] == "le");
       }
     }
     for (std::size_t k = 0; k < ra.operands.size(); ++k)
       if (!equal(ra.operands[k], rc.operands[k])) return false;
     return true;
+  }
+
+  // a = k * c for one constant k != 0 (k > 0 when `positive`), judged at the sample points of
+  // their free symbols; needs symbols (constant sides are compared exactly above).
+  bool proportional(const Combo& a, const Combo& c, bool positive) {
+    std::vector<std::string> symbols;
+    for (const Combo* side : {&a, &c})
+      for (const Term& t : *side) collect_symbols(*t.ref.e, t.ref.n, symbols);
+    if (symbols.empty() || static_cast<int>(symbols.size()) > kMaxSymbols) return false;
+    std::uint64_t state = kSeed;
+    int valid = 0;
+    Complex k{0, 0};
+    Bindings bind;
+    for (int p = 0; p < kPoints; ++p) {
+      bind.clear();
+      for (const std::string& sym : symbols)
+        bind.emplace_back(sym, p < 4 ? uniform(state, 0.3, 2.7) : uniform(state, -2.7, 2.7));
+      Complex va = numeric_sum(a, bind), vc = numeric_sum(c, bind);
+      if (b_.exhausted) {
+        too_complex = true;
+        return false;
+      }
+      if (!std::isfinite(std::abs(va)) || !std::isfinite(std::abs(vc))) continue;
+      if (std::abs(vc) < 1e-9 || std::abs(va) < 1e-9) {
+        if (std::abs(vc) < 1e-9 && std::abs(va) < 1e-9) continue;  // both sides vanish here
+        return false;
+      }
+      Complex r = va / vc;
+      if (valid == 0) k = r;
+      else if (!close_c(r, k, 1e-8, 1e-12)) return false;
+      ++valid;
+    }
+    if (valid < 3 || std::abs(k.imag()) > 1e-9 * std::abs(k)) return false;
+    return !positive || k.real() > 0;
   }
 
   static bool scalar_ok(const Combo& c) {

@@ -2,6 +2,8 @@
 // megabyte of text costs a few milliseconds at most.
 #include "reward/extract.h"
 
+#include <algorithm>
+
 #include <cctype>
 #include <vector>
 
@@ -121,6 +123,19 @@ std::optional<std::string> extract_last_boxed(std::string_view t) {
     if (k > 0) joined += ", ";
   }
   return joined;
+}
+
+std::vector<std::string> extract_last_boxes(std::string_view t, std::size_t count) {
+  std::vector<std::string> out;
+  std::size_t end = t.size();
+  while (out.size() < count && end > 0) {
+    auto b = last_box_before(t, end);
+    if (!b) break;
+    out.push_back(b->content);
+    end = b->start;
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
 }
 
 std::string strip_math_delimiters(std::string_view s) {

@@ -7,7 +7,9 @@
 //     next whitespace or '$') are accepted. An unclosed last box is ignored and the previous
 //     complete box is used. Boxes separated only by separators (",", ";", "and", "or", "$",
 //     \quad, \text{and}) form one list answer: "\boxed{-2} and \boxed{1}" -> "-2, 1" (as
-//     Math-Verify reads them).
+//     Math-Verify reads them). When the reference lists k >= 2 parts ("5, 9") and the last box
+//     alone does not match, the last k boxes anywhere in the answer part are read as that list
+//     ("(a) \boxed{5} ... (b) \boxed{9}"), as Math-Verify does.
 //   - Fallback (evaluation only, off by default): "the answer is X" / "final answer is X" (up to
 //     the end of the sentence), else the last math span ($...$, $$...$$, \(...\), \[...\]), else
 //     the last number.
@@ -18,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace lorasync::reward {
 
@@ -26,6 +29,10 @@ std::string_view after_think(std::string_view text);
 
 // Content of the last complete \boxed{...}/\fbox{...}; nullopt when there is none.
 std::optional<std::string> extract_last_boxed(std::string_view text);
+
+// The contents of the last `count` complete boxes, in reading order (fewer when there are fewer).
+// Used when the reference lists several parts and the completion boxes each part on its own.
+std::vector<std::string> extract_last_boxes(std::string_view text, std::size_t count);
 
 // The evaluation-only fallback rules, in order; nullopt when nothing matches.
 std::optional<std::string> extract_fallback(std::string_view text);

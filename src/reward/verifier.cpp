@@ -1,5 +1,7 @@
 // grade(): extraction, canonical strings, parsing and comparison glued together (grade.h).
 #include <algorithm>
+#include <cctype>
+#include <vector>
 
 #include "reward/compare.h"
 #include "reward/expr.h"
@@ -104,6 +106,68 @@ bool canonical_string_equal(std::string_view predicted, std::string_view referen
   return !p.canonical.empty() && canonical_equal(g, p);
 }
 
+namespace {
+
+// Words of prose in a normalised answer: a run of 3+ letters that is not a command or a function
+// name. A box holding a sentence ("the smallest k is 7") is compared as a string, never evaluated
+// as a product of symbols.
+bool has_prose(std::string_view s) {
+  static constexpr std::string_view kNames[] = {"sin", "cos", "tan", "cot", "sec", "csc", "log", "exp", "max",
+                                                "min", "gcd", "lcm", "det", "mod", "sinh", "cosh", "tanh",
+                                                "arcsin", "arccos", "arctan", "sqrt", "frac", "binom", "pmatrix",
+                                                "begin", "end", "infty", "cup", "cap", "pi"};
+  std::size_t i = 0;
+  while (i < s.size()) {
+    if (!std::isalpha(static_cast<unsigned char>(s[i]))) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j < s.size() && std::isalpha(static_cast<unsigned char>(s[j]))) ++j;
+    const bool command = i > 0 && s[i - 1] == '\\';
+    std::string_view w = s.substr(i, j - i);
+    if (!command && w.size() >= 3 &&
+        std::find(std::begin(kNames), std::end(kNames), w) == std::end(kNames))
+      return true;
+    i = j;
+  }
+  return false;
+}
+
+// Top-level parts of a reference list ("5, 9" -> 2; "(1, 2)" and "\{1, 2\}" -> 1).
+std::size_t list_parts(std::string_view s) {
+  int depth = 0;
+  std::size_t parts = 1;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (c == '(' || c == '[' || c == '{') ++depth;
+    else if (c == ')' || c == ']' || c == '}') --depth;
+    else if (c == ',' && depth == 0 && !(i > 0 && s[i - 1] == '{')) ++parts;
+  }
+  return parts;
+}
+
+// True when the prose among the last k boxes takes one of them back ("\boxed{3} is wrong,
+// \boxed{5}", "wait, actually"): such boxes are a self-correction, not one answer per part.
+bool retracts(std::string_view tail, std::size_t k) {
+  std::size_t from = tail.size();
+  for (std::size_t n = 0; n < k; ++n) {
+    const std::size_t p = tail.rfind("\\boxed", from == 0 ? 0 : from - 1);
+    const std::size_t q = tail.rfind("\\fbox", from == 0 ? 0 : from - 1);
+    const std::size_t at = p == std::string_view::npos ? q : (q == std::string_view::npos ? p : std::max(p, q));
+    if (at == std::string_view::npos) break;
+    from = at;
+  }
+  std::string between(tail.substr(from));
+  for (char& c : between) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (std::string_view w : {"wrong", "incorrect", "not ", "mistake", "actually", "instead", "wait", "correction",
+                             "rather", "no,", "oops"})
+    if (between.find(w) != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace
+
 GradeResult compare_answers(std::string_view predicted, std::string_view reference_raw,
                             const Limits& limits) {
   std::string extracted(predicted);
@@ -117,6 +181,8 @@ GradeResult compare_answers(std::string_view predicted, std::string_view referen
   NormalizedAnswer p = normalize_answer(predicted, !g.equation);
   if (p.canonical.empty()) return verdict(false, extracted, "empty_answer");
   if (canonical_equal(g, p)) return verdict(true, extracted, "string_equal");
+
+  if (has_prose(p.clean) && !has_prose(g.clean)) return verdict(false, extracted, "not_equal");
 
   ParseResult gp = parse_expanded(g.clean, limits);
   ParseResult pp = parse_expanded(p.clean, limits);
@@ -151,7 +217,20 @@ GradeResult grade(std::string_view completion, std::string_view reference, const
   std::optional<std::string> answer = extract_last_boxed(tail);
   if (!answer && options.fallback) answer = extract_fallback(tail);
   if (!answer) return verdict(false, "", "no_box");
-  return compare_answers(*answer, reference, options.limits);
+  GradeResult r = compare_answers(*answer, reference, options.limits);
+  if (r.correct || r.reason == "too_complex") return r;
+  // A reference listing k parts against one box per part ("(a) \boxed{5} ... (b) \boxed{9}").
+  const std::size_t k = list_parts(reference_answer(reference));
+  if (k >= 2 && k <= 16) {
+    std::vector<std::string> boxes = extract_last_boxes(tail, k);
+    if (boxes.size() == k && !retracts(tail, k)) {
+      std::string joined;
+      for (const auto& b : boxes) joined += (joined.empty() ? "" : ", ") + b;
+      GradeResult j = compare_answers(joined, reference, options.limits);
+      if (j.correct) return j;
+    }
+  }
+  return r;
 }
 
 GradeResult grade(std::string_view completion, const std::vector<std::string>& references,

@@ -302,7 +302,15 @@ const std::vector<Case> kBoxed = {
     {R"(2x + z - 5 = 0)", R"(2x + z - 5 = 0)", true},
     {R"(2x + z = 5)", R"(2x + z - 5 = 0)", true},
     {R"(z = 5 - 2x)", R"(2x + z - 5 = 0)", true},
-    {R"(4x + 2z - 10 = 0)", R"(2x + z - 5 = 0)", false},
+    {R"(4x + 2z - 10 = 0)", R"(2x + z - 5 = 0)", true},   // scaled (issue 17; Math-Verify agrees)
+    {R"(4x + 2z - 11 = 0)", R"(2x + z - 5 = 0)", false},
+    {R"(2y = 4x + 2)", R"(y = 2x + 1)", true},
+    {R"(-2y \le -4x - 2)", R"(y \ge 2x + 1)", true},      // a negative factor flips the direction
+    {R"(-2y \ge -4x - 2)", R"(y \ge 2x + 1)", false},
+    {R"(x^2 = 4)", R"(x = 2)", false},
+    {R"(\text{Final: } 12)", R"(12)", false},               // a label inside the box (Math-Verify agrees)
+    {R"(Final answer: \frac{1}{2})", R"(\frac{1}{2})", false},
+    {R"(Final: the smallest $k$ is 0)", R"(0)", false},    // a sentence is never a product that is 0
     {R"(x > 2)", R"(2 < x)", true},
     {R"(x \ge 2)", R"(2 \le x)", true},
     {R"(x < 3)", R"(3 > x)", true},
@@ -424,7 +432,11 @@ const std::vector<Case> kRaw = {
     {R"(The final answer is \boxed{28\%}.)", R"(28)", true},
     {R"(\boxed{1,2}\boxed{3})", R"(1,2,3)", true},
     {R"(The roots are \boxed{-2} and \boxed{1}.)", R"(1,-2)", true},
-    {R"(\boxed{3} is wrong, \boxed{5})", R"(3, 5)", false},
+    {R"(\boxed{3} is wrong, \boxed{5})", R"(3, 5)", false},  // a retraction, not one box per part
+    {R"(For part (a) we get \boxed{5}, and for part (b) \boxed{9}.)", R"(5, 9)", true},
+    {R"(Part (a): \boxed{5}. Part (b): \boxed{9}.)", R"(9, 5)", true},
+    {R"(Part (a): \boxed{5}. Part (b): \boxed{9}.)", R"(5, 8)", false},
+    {R"(First \boxed{4}. No, wait: \boxed{5} and then \boxed{9}.)", R"(5, 9)", true},
     {R"(\boxed{\left( 3, \frac{\pi}{2} \right)})", R"(\left( 3, \frac{\pi}{2} \right))", true},
 };
 
