@@ -7,6 +7,9 @@
 //   sampled             sampled-style completions (a few hundred words of reasoning with inline
 //                       maths, then a box: correct, rewritten or another row's answer; some after
 //                       </think>, some without a box)
+// With --math-verify, Math-Verify (scripts/math_verify_ref.py, in the project's .venv) grades the
+// first 1,500 items of each workload too: agreement per configuration (as RL trainers call it, and
+// its default), and its grades/s as a same-run peer baseline.
 // Each workload is timed on one thread (grades/s, p50, p99) and, with --threads N > 1 (default: all
 // cores), by N threads grading concurrently (`*_grades_per_s_all_cores`, over wall time).
 // Baseline, same run, same inputs: extraction of the box plus the canonical-string check alone
@@ -30,6 +33,7 @@
 #include "reward/grade.h"
 #include "util/bench_report.h"
 #include "util/error.h"
+#include "util/files.h"
 
 namespace lorasync::cli {
 namespace {
@@ -39,6 +43,9 @@ struct BenchGradeOptions {
   double seconds = 1.0;  // minimum time per workload and method
   std::uint64_t seed = 1;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));  // all cores
+  bool math_verify = false;  // also grade with Math-Verify (the .venv's) and report agreement
+  std::string python = std::string(LORASYNC_SOURCE_DIR) + "/.venv/bin/python";
+  std::size_t math_verify_items = 1500;  // per workload (Math-Verify grades ~1k/s)
 };
 
 struct Item {
@@ -195,6 +202,47 @@ double measure_parallel(const std::vector<Item>& items, double min_seconds, int 
   return static_cast<double>(n.load()) / (now_seconds() - start);
 }
 
+// Math-Verify (scripts/math_verify_ref.py, config "rl" or "default") over the first `n` items:
+// its verdicts and the seconds its parse + verify calls took.
+struct Reference {
+  std::vector<bool> correct;
+  double seconds = 0;
+  std::string version;
+};
+
+Reference run_math_verify(const BenchGradeOptions& o, const std::vector<Item>& items, std::size_t n,
+                          const std::string& config) {
+  namespace fs = std::filesystem;
+  TempDir dir("lorasync-bench-grade");
+  const fs::path in = dir.path() / "rows.jsonl", out = dir.path() / "verdicts.jsonl";
+  {
+    std::ofstream f(in);
+    for (std::size_t i = 0; i < n; ++i)
+      f << nlohmann::json{{"completion", items[i].completion}, {"answer", items[i].reference}}.dump(
+               -1, ' ', false, nlohmann::json::error_handler_t::replace)
+        << "\n";
+  }
+  const std::string cmd = "'" + o.python + "' '" + std::string(LORASYNC_SOURCE_DIR) + "/scripts/math_verify_ref.py' --config " +
+                          config + " --input '" + in.string() + "' --output '" + out.string() + "' 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) throw_not_found("--math-verify: cannot start {}", o.python);
+  std::string text;
+  char buf[4096];
+  while (std::size_t k = std::fread(buf, 1, sizeof buf, p)) text.append(buf, k);
+  if (pclose(p) != 0) throw_not_found("--math-verify: the reference failed (run scripts/setup?): {}", text);
+  auto summary = nlohmann::json::parse(text.substr(text.rfind('{')), nullptr, false);
+  if (summary.is_discarded()) throw_not_found("--math-verify: unreadable reference output: {}", text);
+  Reference r;
+  r.seconds = summary["grade_s"].get<double>();
+  r.version = summary["version"].get<std::string>();
+  std::ifstream f(out);
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) r.correct.push_back(nlohmann::json::parse(line)["correct"].get<bool>());
+  if (r.correct.size() != n) throw_not_found("--math-verify: {} verdicts for {} rows", r.correct.size(), n);
+  return r;
+}
+
 int run(const BenchGradeOptions& o) {
   std::vector<std::string> answers = load_answers(o.data_dir);
   BenchReporter rep;
@@ -224,6 +272,21 @@ int run(const BenchGradeOptions& o) {
       cfg["threads"] = o.threads;
       rep.emit({"grade", w + "_grades_per_s_all_cores", fp, "grades/s", bp, cfg});
     }
+    if (o.math_verify) {
+      const std::size_t n = std::min(items.size(), o.math_verify_items);
+      for (const char* config : {"rl", "default"}) {
+        Reference ref = run_math_verify(o, items, n, config);
+        std::size_t agree = 0;
+        for (std::size_t i = 0; i < n; ++i) agree += full_fn(items[i]) == ref.correct[i] ? 1 : 0;
+        nlohmann::json mcfg = {{"workload", workload}, {"items", n}, {"math_verify", ref.version},
+                               {"math_verify_config", config}, {"threads", 1}};
+        rep.emit({"grade", w + "_agreement_math_verify_" + config, static_cast<double>(agree) / static_cast<double>(n),
+                  "fraction", std::nullopt, mcfg});
+        if (std::string(config) == "rl")
+          rep.emit({"grade", w + "_grades_per_s_vs_math_verify", full.grades_per_s, "grades/s",
+                    static_cast<double>(n) / ref.seconds, mcfg});
+      }
+    }
   }
   rep.print_table();
   return 0;
@@ -237,6 +300,12 @@ void register_bench_grade(CLI::App& bench, Registry& reg) {
   sub->add_option("--data-dir", o->data_dir, "directory of *.jsonl rows with 'answer'")->capture_default_str();
   sub->add_option("--seconds", o->seconds, "minimum time per workload and method")->capture_default_str();
   sub->add_option("--seed", o->seed, "seed of the sampled-completion generator")->capture_default_str();
+  sub->add_flag("--math-verify", o->math_verify,
+               "also grade each workload's first items with Math-Verify (the .venv's; RL and default "
+               "configurations): agreement, and its grades/s as a baseline");
+  sub->add_option("--python", o->python, "Python with math-verify (scripts/setup's .venv)")->capture_default_str();
+  sub->add_option("--math-verify-items", o->math_verify_items, "items per workload graded by Math-Verify")
+      ->capture_default_str();
   sub->add_option("--threads", o->threads, "threads of the all-cores rows (1 = single-threaded rows only)")
       ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });

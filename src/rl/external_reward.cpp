@@ -269,11 +269,19 @@ class CommandReward final : public RewardFunction {
   }
 
   [[noreturn]] void crashed(Worker& w) const {
-    // The socket closed: give the process a moment to finish exiting so its status is known.
-    for (int i = 0; i < 50 && waitpid(w.pid, nullptr, WNOHANG | WNOWAIT) == 0; ++i) usleep(2000);
-    std::string how = kill_worker(w);
-    throw RewardCallFailed(RewardFailure::kCrashed, "reward " + opt_.name + ": its worker " + (how.empty() ? "ended" : how) +
-                                                        " before answering");
+    // The socket closed: give the process a moment to finish exiting so that its status is known.
+    int status = 0;
+    pid_t r = 0;
+    for (int i = 0; i < 250 && (r = waitpid(w.pid, &status, WNOHANG)) == 0; ++i) usleep(2000);
+    std::string how;
+    if (r == w.pid) {
+      how = describe_status(status);
+      kill(-w.pid, SIGKILL);  // anything it left behind in its group
+      w.pid = -1;
+    }
+    const std::string killed = kill_worker(w);
+    if (how.empty()) how = killed.empty() ? "ended" : killed;
+    throw RewardCallFailed(RewardFailure::kCrashed, "reward " + opt_.name + ": its worker " + how + " before answering");
   }
 
   ExternalRewardOptions opt_;

@@ -1,5 +1,7 @@
 // Black-box tests of `lorasync grade` and `lorasync bench grade` through the real binary.
 #include <gtest/gtest.h>
+
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include <fstream>
@@ -86,10 +88,12 @@ TEST(GradeCli, MissingInputIsAnError) {
 }
 
 TEST(GradeCli, BenchGradeReportsThroughputWithBaseline) {
-  auto r = run_lorasync("bench grade --seconds 0.05");
+  auto r = run_lorasync("bench grade --seconds 0.05 --threads 2");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto v = parse_jsonl(r.out);
-  ASSERT_EQ(v.size(), 9u);
+  ASSERT_EQ(v.size(), 12u);  // 3 workloads x (grades/s, p50, p99 on one thread, grades/s on 2)
+  EXPECT_EQ(v[3]["metric"], "reference_self_grades_per_s_all_cores");
+  EXPECT_EQ(v[3]["config"]["threads"], 2);
   for (const auto& rec : v) {
     EXPECT_EQ(rec["bench"], "grade");
     EXPECT_GT(rec["value"].get<double>(), 0);
@@ -98,6 +102,28 @@ TEST(GradeCli, BenchGradeReportsThroughputWithBaseline) {
   }
   EXPECT_EQ(v[0]["metric"], "reference_self_grades_per_s");
   EXPECT_GT(v[0]["config"]["accuracy"].get<double>(), 0.99);
+}
+
+// Math-Verify (the .venv's, scripts/math_verify_ref.py) as a same-run peer: agreement rows per
+// configuration and its grades/s as the baseline of ours.
+TEST(GradeCli, BenchGradeAgainstMathVerify) {
+  auto r = run_lorasync("bench grade --seconds 0.05 --threads 1 --math-verify --math-verify-items 30");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<std::string, nlohmann::json> by_metric;
+  for (const auto& rec : parse_jsonl(r.out)) by_metric[rec["metric"].get<std::string>()] = rec;
+  for (const char* w : {"reference_self", "reference_rewrites", "sampled"}) {
+    for (const char* c : {"rl", "default"}) {
+      const auto& a = by_metric[std::string(w) + "_agreement_math_verify_" + c];
+      ASSERT_TRUE(a.is_object()) << w << " " << c << "\n" << r.out;
+      EXPECT_GE(a["value"].get<double>(), 0.0);
+      EXPECT_LE(a["value"].get<double>(), 1.0);
+      EXPECT_EQ(a["config"]["items"], 30);
+    }
+    const auto& speed = by_metric[std::string(w) + "_grades_per_s_vs_math_verify"];
+    ASSERT_TRUE(speed.is_object()) << r.out;
+    EXPECT_GT(speed["baseline"].get<double>(), 0);
+  }
+  EXPECT_GE(by_metric["reference_self_agreement_math_verify_rl"]["value"].get<double>(), 0.9);
 }
 
 }  // namespace

@@ -84,7 +84,9 @@ void expect_failure(const reward::RewardFunction& fn, const RewardInput& in, Rew
     ADD_FAILURE() << "no failure for '" << in.completion << "'";
   } catch (const RewardCallFailed& e) {
     EXPECT_EQ(e.kind(), kind) << e.what();
-    if (!needle.empty()) EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    if (!needle.empty()) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
   }
   EXPECT_LT(seconds_since(t0), max_s) << in.completion;
 }
