@@ -79,6 +79,7 @@ std::vector<Binding> reward_bindings(const std::string& name, ExternalRewardOpti
   const std::string sec = "rewards." + name;
   return {{sec, "kind", &o.kind}, {sec, "command", &o.command}, {sec, "workdir", &o.workdir}, {sec, "url", &o.url},
           {sec, "bearer_token_env", &o.bearer_token_env}, {sec, "workers", &o.workers}, {sec, "timeout_s", &o.timeout_s},
+          {sec, "startup_s", &o.startup_s},
           {sec, "cpu_s", &o.cpu_s}, {sec, "memory_mb", &o.memory_mb}, {sec, "network", &o.network},
           {sec, "max_output_bytes", &o.max_output_bytes}};
 }

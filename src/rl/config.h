@@ -96,7 +96,7 @@ struct TrainConfig {
   } logging;
 
   // External rewards, [rewards.NAME] tables (rl/external_reward.h), named in grpo.reward_funcs like
-  // the built-in ones: kind, command, workdir, url, bearer_token_env, workers, timeout_s, cpu_s,
+  // the built-in ones: kind, command, workdir, url, bearer_token_env, workers, timeout_s, startup_s, cpu_s,
   // memory_mb, network, max_output_bytes. `--set rewards.NAME.key=value` works as elsewhere.
   std::map<std::string, ExternalRewardOptions> rewards;
 

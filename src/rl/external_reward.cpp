@@ -105,8 +105,10 @@ class CommandReward final : public RewardFunction {
         self->cv_.notify_one();
       }
     } release{this, w};
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt_.timeout_s));
-    if (w->pid < 0) spawn(*w);
+    const bool fresh = w->pid < 0;
+    const double allowed = opt_.timeout_s + (fresh ? opt_.startup_s : 0.0);
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(allowed));
+    if (fresh) spawn(*w);
     send_line(*w, line, deadline);
     std::string answer = read_line(*w, deadline);
     RewardOutput out;
@@ -346,6 +348,7 @@ std::shared_ptr<const RewardFunction> make_external_reward(const ExternalRewardO
     if (o.command.empty() || o.command[0].empty()) throw_invalid("{}.command must name a program (a list: [\"python3\", \"score.py\"])", where);
     if (!(o.cpu_s > 0)) throw_invalid("{}.cpu_s must be positive, got {}", where, o.cpu_s);
     if (o.memory_mb < 16) throw_invalid("{}.memory_mb must be at least 16, got {}", where, o.memory_mb);
+    if (!(o.startup_s >= 0)) throw_invalid("{}.startup_s must be >= 0, got {}", where, o.startup_s);
     return std::make_shared<CommandReward>(o);
   }
   if (o.kind == "http") return make_http_reward(o);

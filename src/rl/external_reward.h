@@ -16,7 +16,7 @@
 //     A bearer token can come from the environment variable `bearer_token_env`.
 //
 // Every call has a hard deadline, `timeout_s` from the moment a worker (or a connection slot) is
-// free to run it: past it the worker's whole process group is killed with SIGKILL (a new one is
+// free to run it (plus `startup_s` when the call has to start a new worker process first): past it the worker's whole process group is killed with SIGKILL (a new one is
 // started on the next call) or the HTTP request is abandoned, and score() throws
 // RewardCallFailed{kTimeout}. A worker that exits or is killed mid-call gives kCrashed; an answer
 // that is not a reward gives kInvalidOutput (the worker is kept when the line was well-framed).
@@ -44,6 +44,7 @@ struct ExternalRewardOptions {
   std::string bearer_token_env;      // http: environment variable holding a bearer token
   std::int64_t workers = 4;          // concurrent calls (processes, or HTTP requests)
   double timeout_s = 10;             // hard deadline per call
+  double startup_s = 30;             // command: added to the deadline of a call that starts its worker
   double cpu_s = 600;                // command: CPU seconds per worker process (RLIMIT_CPU)
   std::int64_t memory_mb = 2048;     // command: address space per worker (RLIMIT_AS)
   bool network = false;              // command: false = its own, empty network namespace

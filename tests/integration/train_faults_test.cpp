@@ -161,7 +161,7 @@ for line in sys.stdin:
 )PY";
   TrainRun run(fake.port(), 4, "reward_funcs = [\"flaky\"]\nreward_weights = [1.0]\n",
           "[rewards.flaky]\nkind = \"command\"\ncommand = [\"python3\", \"" + script.string() + "\", \"" +
-              counter.string() + "\"]\nworkers = 2\ntimeout_s = 1.0\n");
+              counter.string() + "\"]\nworkers = 2\ntimeout_s = 1.0\nstartup_s = 4\n");
   auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto metrics = testing::read_jsonl(run.out / "metrics.jsonl");

@@ -119,11 +119,11 @@ TEST(ExternalReward, CommandWorkersAnswerConcurrentCallsWithinThePool) {
 
 TEST(ExternalReward, AHangACrashAndGarbageFailOnlyTheirOwnCall) {
   Scripts s;
-  auto fn = rl::make_external_reward(command_options(s.write("w.py", kMisbehaving), 0.5, 1));
-  EXPECT_DOUBLE_EQ(fn->score(input("abcd")).reward, 0.04);
-  expect_failure(*fn, input("hang"), RewardFailure::kTimeout, 3.0, "within 0.5 s");
+  auto fn = rl::make_external_reward(command_options(s.write("w.py", kMisbehaving), 1.0, 1));
+  EXPECT_DOUBLE_EQ(fn->score(input("abcd")).reward, 0.04);  // starts the worker (within startup_s)
+  expect_failure(*fn, input("hang"), RewardFailure::kTimeout, 5.0, "within 1 s");
   EXPECT_DOUBLE_EQ(fn->score(input("ab")).reward, 0.02);  // a new worker took the killed one's place
-  expect_failure(*fn, input("crash"), RewardFailure::kCrashed, 3.0, "exited with status 3");
+  expect_failure(*fn, input("crash"), RewardFailure::kCrashed, 5.0, "exited with status 3");
   EXPECT_DOUBLE_EQ(fn->score(input("abc")).reward, 0.03);
   expect_failure(*fn, input("garbage"), RewardFailure::kInvalidOutput, 3.0, "not JSON");
   expect_failure(*fn, input("range"), RewardFailure::kInvalidOutput, 3.0, "[0, 1]");
@@ -292,12 +292,12 @@ TEST(ExternalReward, HttpRewardAnswersTimesOutAndFails) {
   o.name = "judge";
   o.kind = "http";
   o.url = "http://127.0.0.1:" + std::to_string(server.port()) + "/score";
-  o.timeout_s = 0.5;
+  o.timeout_s = 1.5;
   auto fn = rl::make_external_reward(o);
   EXPECT_DOUBLE_EQ(fn->score(input("fine")).reward, 0.25);
-  expect_failure(*fn, input("hang"), RewardFailure::kTimeout, 3.0);
-  expect_failure(*fn, input("garbage"), RewardFailure::kInvalidOutput, 3.0, "not JSON");
-  expect_failure(*fn, input("error"), RewardFailure::kCrashed, 3.0, "HTTP 500");
+  expect_failure(*fn, input("hang"), RewardFailure::kTimeout, 6.0);
+  expect_failure(*fn, input("garbage"), RewardFailure::kInvalidOutput, 6.0, "not JSON");
+  expect_failure(*fn, input("error"), RewardFailure::kCrashed, 6.0, "HTTP 500");
   EXPECT_DOUBLE_EQ(fn->score(input("fine again")).reward, 0.25);
   o.url = "http://127.0.0.1:1/score";  // nothing listens
   expect_failure(*rl::make_external_reward(o), input("x"), RewardFailure::kCrashed, 3.0);
@@ -331,6 +331,7 @@ kind = "command"
 command = ["python3", "score.py"]
 workers = 3
 timeout_s = 4.5
+startup_s = 12
 network = false
 )", "t.toml", {"rewards.unit_tests.memory_mb=512", "rewards.judge.kind=\"http\"", "rewards.judge.url=\"http://h:1/s\""});
   ASSERT_EQ(c.rewards.size(), 2u);
@@ -339,6 +340,7 @@ network = false
   EXPECT_EQ(u.command, (std::vector<std::string>{"python3", "score.py"}));
   EXPECT_EQ(u.workers, 3);
   EXPECT_DOUBLE_EQ(u.timeout_s, 4.5);
+  EXPECT_DOUBLE_EQ(u.startup_s, 12);
   EXPECT_EQ(u.memory_mb, 512);
   EXPECT_EQ(c.rewards.at("judge").url, "http://h:1/s");
   // The resolved configuration (a run's config.toml) keeps them.
