@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
+
 #include "engine/engine_impl.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -113,12 +115,15 @@ void Engine::validate(const RequestSpec& spec) const {
     bad("prompt", fmt::format("This model's maximum context length is {} tokens, but the prompt has {} "
                               "tokens. Please reduce the length of the prompt.",
                               opts_.max_model_len, P));
-  if (P + p.max_tokens > opts_.max_model_len)
+  if (p.max_tokens > opts_.max_model_len - P)  // not P + max_tokens: max_tokens may be near INT64_MAX
     bad("max_tokens",
         fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens "
                     "({} in the prompt, {} for the completion). Please reduce the length of the "
                     "prompt or max_tokens.",
-                    opts_.max_model_len, P + p.max_tokens, P, p.max_tokens));
+                    opts_.max_model_len,
+                    p.max_tokens > std::numeric_limits<std::int64_t>::max() - P ? std::numeric_limits<std::int64_t>::max()
+                                                                                 : P + p.max_tokens,
+                    P, p.max_tokens));
   if (!find_adapter(spec.model))
     throw Error(ErrorKind::kNotFound, fmt::format("The model `{}` does not exist.", spec.model), "model");
 }

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -240,9 +241,23 @@ struct ApiServer::Impl {
   mutable std::mutex metrics_mu;
   std::map<std::pair<std::string, int>, std::int64_t> http_counts;
 
+  // Only known routes become a label value; any other path (a scan, a typo, a 401) is "other",
+  // so the series stay bounded and the label never holds client bytes.
+  static const std::string& route_label(const std::string& path) {
+    static const std::array<std::string, 15> kRoutes = {
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/server_info", "/metrics",
+        "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume",
+        "/is_paused", "/reset_prefix_cache", "/get_world_size"};
+    static const std::string kOther = "other";
+    for (const auto& r : kRoutes)
+      if (r == path) return r;
+    return kOther;
+  }
+
   void count(const std::string& route, int status) {
+    const std::string& label = route_label(route);
     std::lock_guard<std::mutex> lk(metrics_mu);
-    ++http_counts[{route, status}];
+    ++http_counts[{label, status}];
   }
 
   Task<void> handle(http::Request& req, http::ResponseWriter& w);

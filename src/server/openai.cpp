@@ -94,6 +94,13 @@ std::vector<std::int32_t> id_list(const json& a, const std::string& key) {
   return out;
 }
 
+// Per-request amplification limits: what one request may ask of the engine.
+constexpr std::int64_t kMaxN = 1024;              // completions per prompt
+constexpr std::size_t kMaxSequences = 4096;       // prompts x n
+constexpr std::size_t kMaxStopStrings = 32;
+constexpr std::size_t kMaxStopBytes = 1024;
+constexpr std::size_t kMaxStopTokenIds = 256;
+
 void parse_common(const json& j, ParsedCompletion& r) {
   const json* m = field(j, "model");
   if (!m) bad("model", "model is required");
@@ -128,16 +135,23 @@ void parse_common(const json& j, ParsedCompletion& r) {
     } else {
       bad("stop", fmt::format("stop must be a string or a list of strings, got {}", shown(*s)));
     }
-    for (const auto& x : p.stop)
+    // Stop strings are scanned on every generated token on the engine thread: bounded.
+    if (p.stop.size() > kMaxStopStrings)
+      bad("stop", fmt::format("at most {} stop strings, got {}", kMaxStopStrings, p.stop.size()));
+    for (const auto& x : p.stop) {
       if (x.empty()) bad("stop", "stop strings must not be empty");
+      if (x.size() > kMaxStopBytes) bad("stop", fmt::format("a stop string is at most {} bytes, got {}", kMaxStopBytes, x.size()));
+    }
   }
   if (const json* s = field(j, "stop_token_ids")) {
     if (!s->is_array()) bad("stop_token_ids", fmt::format("stop_token_ids must be a list of integers, got {}", shown(*s)));
+    if (s->size() > kMaxStopTokenIds)
+      bad("stop_token_ids", fmt::format("at most {} stop_token_ids, got {}", kMaxStopTokenIds, s->size()));
     p.stop_token_ids = id_list(*s, "stop_token_ids");
   }
   p.ignore_eos = get_bool(j, "ignore_eos", false);
   const std::int64_t n = get_int(j, "n", 1);
-  if (n < 1 || n > 1024) bad("n", fmt::format("n must be at least 1, got {}", n));
+  if (n < 1 || n > kMaxN) bad("n", fmt::format("n must be in [1, {}], got {}", kMaxN, n));
   p.n = static_cast<int>(n);
   if (const json* b = field(j, "best_of"))
     if (!b->is_number_integer() || b->get<std::int64_t>() != n)
@@ -189,6 +203,10 @@ ParsedCompletion parse_completion(std::string_view body, const tok::Tokenizer& t
     if (first.is_number()) {
       r.prompts.push_back(id_list(*pr, "prompt"));
     } else {
+      const std::size_t sequences = pr->size() * static_cast<std::size_t>(r.params.n);
+      if (sequences > kMaxSequences)
+        bad("prompt", fmt::format("{} prompts x n = {} asks for {} sequences; at most {} per request", pr->size(),
+                                  r.params.n, sequences, kMaxSequences));
       for (std::size_t i = 0; i < pr->size(); ++i) {
         const json& e = (*pr)[i];
         const std::string key = fmt::format("prompt[{}]", i);

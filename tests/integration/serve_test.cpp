@@ -337,6 +337,32 @@ TEST_F(Serve, TrlAsyncGrpoClientShapes) {
   EXPECT_EQ(f().post("/v1/unload_lora_adapter", {{"lora_name", "trl-policy-v1"}}).status, 200);
 }
 
+// Amplification limits (issue 16): what one request may ask of the engine is bounded and each
+// refusal names the field; an int64-sized max_tokens is a 400, not an overflow.
+TEST_F(Serve, RequestLimitsAreEnforcedAndNamed) {
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"n", 1025}}), 400, "n must be in [1, 1024]",
+               "n");
+  std::vector<std::vector<int>> prompts(5, std::vector<int>{1, 2});
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", prompts}, {"n", 1000}}), 400,
+               "at most 4096 per request", "prompt");
+  std::vector<std::string> stops(33, "zz");
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"stop", stops}}), 400,
+               "at most 32 stop strings", "stop");
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"stop", std::string(1025, 'a')}}), 400,
+               "at most 1024 bytes", "stop");
+  expect_error(f().post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"stop_token_ids", std::vector<int>(257, 1)}}),
+               400, "at most 256 stop_token_ids", "stop_token_ids");
+  expect_error(f().post_raw("/v1/completions", R"({"model": "tiny", "prompt": [1, 2], "max_tokens": 9223372036854775807})"),
+               400, "maximum context length is 512", "max_tokens");
+  // Unknown paths (scans, typos) share one metrics series; the label never holds client bytes.
+  f().get("/no/such/path-evil");
+  f().get("/another/unknown");
+  auto metrics = f().get("/metrics").body;
+  EXPECT_EQ(metrics.find("evil"), std::string::npos);
+  EXPECT_EQ(metrics.find("/another/unknown"), std::string::npos);
+  EXPECT_NE(metrics.find("route=\"other\",code=\"404\""), std::string::npos) << metrics;
+}
+
 TEST_F(Serve, PauseResumeAndResetPrefixCache) {
   EXPECT_EQ(f().post("/pause?mode=keep", json::object()).status, 200);
   EXPECT_EQ(json::parse(f().get("/is_paused").body)["is_paused"], true);
