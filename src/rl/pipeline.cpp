@@ -220,6 +220,11 @@ struct Pipeline::Impl {
     return *p;
   }
 
+  std::int64_t max_tokens_for(const PromptRef& p) const {
+    const auto& g = opt.cfg.generation;
+    return std::min<std::int64_t>(g.max_new_tokens, g.context_len - static_cast<std::int64_t>(problem(p.index).prompt_ids.size()));
+  }
+
   std::string request_body(const PromptRef& p, const std::string& model_name) const {
     const Problem& pr = problem(p.index);
     const auto& g = opt.cfg.generation;
@@ -227,7 +232,7 @@ struct Pipeline::Impl {
     j["model"] = model_name;
     j["prompt"] = pr.prompt_ids;
     j["n"] = G();
-    j["max_tokens"] = std::min<std::int64_t>(g.max_new_tokens, g.context_len - static_cast<std::int64_t>(pr.prompt_ids.size()));
+    j["max_tokens"] = max_tokens_for(p);
     j["temperature"] = g.temperature;
     j["top_p"] = 1.0;
     j["logprobs"] = 0;
@@ -244,7 +249,9 @@ struct Pipeline::Impl {
   }
 
   // Validates a 200 response (trainer.md §1.2-1.3); fills the group or returns the reason.
-  std::optional<std::string> parse_response(const std::string& body, Group& g) const {
+  // max_tokens: what the request asked for; a longer completion is refused (it was not sampled
+  // under the request's parameters, and would overrun the row budget).
+  std::optional<std::string> parse_response(const std::string& body, Group& g, std::int64_t max_tokens) const {
     json j = json::parse(body, nullptr, false);
     if (j.is_discarded() || !j.is_object()) return "body is not a JSON object";
     std::string name;
@@ -286,6 +293,9 @@ struct Pipeline::Impl {
         if (id < 0 || id >= opt.vocab) return "token id " + std::to_string(id) + " outside the vocabulary";
         m.ids.push_back(static_cast<std::int32_t>(id));
       }
+      if (static_cast<std::int64_t>(m.ids.size()) > max_tokens)
+        return "choice " + std::to_string(idx) + " has " + std::to_string(m.ids.size()) + " tokens, more than max_tokens " +
+               std::to_string(max_tokens);
       const json* lp = nullptr;
       if (c.contains("logprobs") && c["logprobs"].is_object() && c["logprobs"].contains("token_logprobs"))
         lp = &c["logprobs"]["token_logprobs"];
@@ -362,7 +372,7 @@ struct Pipeline::Impl {
         std::lock_guard lk(mu);
         if (!fatal) fatal = "the server refused a rollout request (HTTP " + std::to_string(r.status) + "): " + r.body.substr(0, 500) +
                             " (check generation.* and the server's flags)";
-      } else if (auto bad = parse_response(r.body, g)) {
+      } else if (auto bad = parse_response(r.body, g, max_tokens_for(f.prompt))) {
         why = "invalid response: " + *bad;
         std::lock_guard lk(mu);
         ++counters["rollout/invalid_response_total"];

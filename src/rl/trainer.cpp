@@ -32,7 +32,9 @@ void Trainer::resolve_config() {
     fs::path dir;
     TrainConfig requested;
     bool have_requested = !args_.config_path.empty() || !args_.overrides.empty();
-    if (have_requested) requested = TrainConfig::load(args_.config_path, args_.overrides);
+    // With --config, the file is the requested configuration; with --set alone, the overrides
+    // apply on top of the checkpoint's own configuration (`--resume DIR --set max_steps=800`).
+    if (!args_.config_path.empty()) requested = TrainConfig::load(args_.config_path, args_.overrides);
     // The checkpoint is verified against its manifest once, here (find_resume_checkpoint checks
     // what it returns); restore_from reads it without hashing the files again.
     if (!args_.resume_dir.empty()) {
@@ -40,7 +42,8 @@ void Trainer::resolve_config() {
       std::string why;
       if (!checkpoint_complete(dir, &why)) refuse("--resume " + dir.string() + ": checkpoint is incomplete (" + why + ")");
     } else if (have_requested) {
-      const fs::path ckpts = fs::path(requested.output_dir) / "checkpoints";
+      const TrainConfig locate = args_.config_path.empty() ? TrainConfig::load("", args_.overrides) : requested;
+      const fs::path ckpts = fs::path(locate.output_dir) / "checkpoints";
       auto found = find_resume_checkpoint(ckpts);
       if (!found) refuse("--resume: no complete checkpoint under " + ckpts.string());
       dir = *found;
@@ -49,6 +52,8 @@ void Trainer::resolve_config() {
     }
     json st = json::parse(read_file(dir / "state.json"));
     TrainConfig stored = TrainConfig::parse(st.at("config_toml").get<std::string>(), (dir / "state.json").string());
+    if (args_.config_path.empty() && have_requested)
+      requested = TrainConfig::parse(st.at("config_toml").get<std::string>(), (dir / "state.json").string(), args_.overrides);
     if (have_requested) {
       TrainConfig merged = with_operational(stored, requested);
       if (merged.to_toml() != requested.to_toml() && !args_.resume_force)

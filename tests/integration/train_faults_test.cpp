@@ -19,6 +19,7 @@
 #include "util/files.h"
 #include "util/jsonl.h"
 #include "util/run_command.h"
+#include "util/strings.h"
 
 namespace lorasync {
 namespace {
@@ -74,9 +75,13 @@ class FakeServer {
     const std::string model = body["model"];
     if (i % 7 == 3) return http::json_response(404, json{{"error", {{"message", "The model `" + model + "` does not exist."}}}}.dump());
     json choices = json::array();
-    for (int k = 0; k < body["n"].get<int>(); ++k)
-      choices.push_back({{"index", k}, {"text", "x"}, {"finish_reason", "stop"}, {"token_ids", {10 + k, 11, 12}},
-                         {"logprobs", {{"token_logprobs", {-1.0, -0.5 - 0.1 * k, -0.25}}}}});
+    for (int k = 0; k < body["n"].get<int>(); ++k) {
+      json ids = {10 + k, 11, 12}, lps = {-1.0, -0.5 - 0.1 * k, -0.25};
+      if (i % 13 == 6)  // longer than the request's max_tokens: refused by the trainer
+        for (int t = 0; t < body["max_tokens"].get<int>(); ++t) ids.push_back(13), lps.push_back(-0.1);
+      choices.push_back({{"index", k}, {"text", "x"}, {"finish_reason", "stop"}, {"token_ids", ids},
+                         {"logprobs", {{"token_logprobs", lps}}}});
+    }
     std::string sha = loaded_.count(model) ? loaded_[model] : "";
     if (i % 11 == 4) sha = std::string(64, '0');  // provenance that does not match the manifest
     return http::json_response(200, json{{"model", model}, {"choices", choices},
@@ -121,8 +126,8 @@ TEST(TrainFaults, RetriesRejectsAndStopsOnAPermanent400WithACheckpoint) {
   FakeServer fake(/*fail_after=*/60);
   TrainRun run(fake.port(), 50);
   const fs::path& out = run.out;
-  auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()));
-  EXPECT_EQ(r.exit_code, 1) << r.err;
+  auto r = testing::run_lorasync("--log-level debug train --config " + testing::shell_quote(run.config.string()));
+  EXPECT_EQ(r.exit_code, 1) << r.err.substr(r.err.size() > 20000 ? r.err.size() - 20000 : 0);
   EXPECT_NE(r.err.find("HTTP 400"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("too large for this deployment"), std::string::npos) << r.err;
   EXPECT_GE(fake.completions(), 61);
@@ -131,6 +136,7 @@ TEST(TrainFaults, RetriesRejectsAndStopsOnAPermanent400WithACheckpoint) {
   const auto& last = metrics.back();
   EXPECT_GT(last["rollout/retry_total"].get<int>(), 0);             // 503s and 404s of loaded versions
   EXPECT_GT(last["rollout/invalid_response_total"].get<int>(), 0);  // sha256 differs from the manifest
+  EXPECT_NE(r.err.find("more than max_tokens 8"), std::string::npos);  // an overlong completion (retried)
   EXPECT_EQ(last["rollout/failed_total"], 0);
   // Exit 1 after a checkpoint at the last completed step.
   const std::string latest = read_file(out / "checkpoints" / "latest");
@@ -178,6 +184,15 @@ for line in sys.stdin:
   EXPECT_NE(r.err.find("exited with status 9"), std::string::npos) << r.err;
   // The resolved configuration keeps the reward's definition (for --resume).
   EXPECT_NE(read_file(run.out / "config.toml").find("[rewards.flaky]"), std::string::npos);
+  // --resume DIR with --set alone layers the overrides on the checkpoint's configuration:
+  // an operational key (max_steps) continues the run; another key is refused.
+  const std::string ckpt = (run.out / "checkpoints" / std::string(trim(read_file(run.out / "checkpoints" / "latest")))).string();
+  auto more = testing::run_lorasync("train --resume " + testing::shell_quote(ckpt) + " --set max_steps=5");
+  EXPECT_EQ(more.exit_code, 0) << more.err;
+  EXPECT_EQ(testing::read_jsonl(run.out / "metrics.jsonl").back()["step"], 5) << more.err;
+  auto refused = testing::run_lorasync("train --resume " + testing::shell_quote(ckpt) + " --set lora.rank=8");
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("not operational"), std::string::npos) << refused.err;
 }
 
 // SIGTERM while every reward call hangs (deadline 300 s): the trainer checkpoints and exits within
