@@ -187,10 +187,11 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
       }
       co_return;
     }
-    if (std::find(loaded_.begin(), loaded_.end(), name) == loaded_.end()) loaded_.push_back(name);
+    const bool created = std::find(loaded_.begin(), loaded_.end(), name) == loaded_.end();
+    if (created) loaded_.push_back(name);
     lk.unlock();
     {
-      http::Response resp_ = json(200, {{"status", "ok"}, {"lora_name", name}});
+      http::Response resp_ = json(200, {{"status", "ok"}, {"lora_name", name}, {"created", created}});
       co_await w.send(std::move(resp_));
     }
     co_return;

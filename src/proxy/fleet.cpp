@@ -133,6 +133,11 @@ http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, co
       t.status = f.status;
       if (f.status == 200) {
         t.outcome = "ok";
+        // lorasync serve says whether the name was new; a replica that already held it keeps it
+        // if the load is rolled back (an idempotent reload must not unload a working adapter).
+        auto body = nlohmann::json::parse(f.body, nullptr, false);
+        t.already_loaded = body.is_object() && body.contains("created") && body["created"].is_boolean() &&
+                           !body["created"].get<bool>();
         note_success(r);
         break;
       }
@@ -184,8 +189,12 @@ http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, co
   } else {
     // Roll back on the replicas that accepted.
     std::vector<int> accepted;
-    for (int r : targets)
-      if (res[static_cast<std::size_t>(r)].outcome == "ok") accepted.push_back(r);
+    for (int r : targets) {
+      TargetResult& t = res[static_cast<std::size_t>(r)];
+      if (t.outcome != "ok") continue;
+      if (t.already_loaded) t.rollback = "kept";  // it had the adapter before this load
+      else accepted.push_back(r);
+    }
     const std::string unload_body = nlohmann::json{{"lora_name", name}}.dump();
     http::Headers uh = hdrs;
     uh.set("Content-Type", "application/json");

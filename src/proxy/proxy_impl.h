@@ -68,8 +68,9 @@ struct TargetResult {
   int attempts = 0;
   double ms = 0;
   std::string body;      // first 300 bytes, token redacted (not ok only)
-  std::string rollback;  // "", ok, failed
+  std::string rollback;  // "", ok, failed, kept (the replica held the adapter before this load)
   bool no_adapter_found = false;
+  bool already_loaded = false;  // the replica answered 200 with "created": false (lorasync serve)
 };
 
 http::Task<void> sleep_for(double seconds);

@@ -526,7 +526,7 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       LS_LOG_INFO("server", "adapter {} {} from {} (sha256 {})", name, out.created ? "loaded" : "already loaded",
                   lpath, out.sha256.substr(0, 12));
       r = http::json_response(200, json{{"status", "ok"}, {"lora_name", name}, {"adapter_sha256", out.sha256},
-                                        {"rank", out.rank}, {"resident", out.resident}}.dump());
+                                        {"rank", out.rank}, {"resident", out.resident}, {"created", out.created}}.dump());
     } else if (path == "/v1/unload_lora_adapter") {
       need("POST");
       auto j = parse_body(req.body);

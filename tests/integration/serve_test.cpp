@@ -255,8 +255,12 @@ TEST_F(Serve, DocumentedErrors) {
   expect_error(f().post("/v1/unload_lora_adapter", {{"lora_name", "never-loaded"}}), 404, "never-loaded");
   auto a1 = f().make_adapter("e1", 4);
   auto a2 = f().make_adapter("e2", 5);
-  ASSERT_EQ(f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a1.string()}}).status, 200);
-  EXPECT_EQ(f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a1.string()}}).status, 200);
+  auto first = f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a1.string()}});
+  ASSERT_EQ(first.status, 200);
+  EXPECT_EQ(json::parse(first.body)["created"], true);
+  auto again = f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a1.string()}});
+  EXPECT_EQ(again.status, 200);
+  EXPECT_EQ(json::parse(again.body)["created"], false);  // idempotent: the proxy keeps it on a rollback
   expect_error(f().post("/v1/load_lora_adapter", {{"lora_name", "dup"}, {"lora_path", a2.string()}}), 409,
                "immutable", "lora_name");
   EXPECT_EQ(f().post("/v1/unload_lora_adapter", {{"lora_name", "dup"}}).status, 200);

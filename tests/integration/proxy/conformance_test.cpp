@@ -175,6 +175,25 @@ TEST(ProxyConformance, LoadAllOrNothingRollsBack) {
   EXPECT_EQ(call(g.port(), "POST", "/v1/load_lora_adapter", R"({"lora_path":"/b/y"})").status, 400);
 }
 
+// Issue 16: a rollback never unloads an adapter that a replica held before the load (it answered
+// "created": false): the fleet's working adapter survives a failed re-send of the same load.
+TEST(ProxyConformance, RollbackKeepsAnAdapterAReplicaAlreadyHad) {
+  Fleet f(2, {}, [](bench::StubOptions& o, int i) { o.load_fail_status = i == 1 ? 400 : 0; });
+  auto pre = call(f.stubs[0]->port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/v1"})");
+  ASSERT_EQ(pre.status, 200) << pre.body;
+  auto r = call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/v1"})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(f.count(0, "/v1/unload_lora_adapter"), 0);
+  ASSERT_EQ(f.stubs[0]->loaded().size(), 1u);
+  EXPECT_EQ(f.stubs[0]->loaded()[0], "policy-v1");
+  EXPECT_EQ(r.j()["replicas"][0]["rollback"], "kept");
+  // A name the replica did not have is still rolled back.
+  auto r2 = call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v2","lora_path":"/b/v2"})");
+  EXPECT_EQ(r2.status, 400);
+  EXPECT_EQ(f.count(0, "/v1/unload_lora_adapter"), 1);
+  EXPECT_EQ(r2.j()["replicas"][0]["rollback"], "ok");
+}
+
 TEST(ProxyConformance, BroadcastsFanInAndPrimary) {
   Fleet f(2);
   auto p = call(f.port(), "POST", "/pause?mode=keep");
