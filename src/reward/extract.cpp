@@ -125,7 +125,7 @@ std::optional<std::string> extract_last_boxed(std::string_view t) {
   return joined;
 }
 
-std::vector<std::string> extract_last_boxes(std::string_view t, std::size_t count) {
+std::vector<std::string> extract_last_boxes(std::string_view t, std::size_t count, std::size_t* first_start) {
   std::vector<std::string> out;
   std::size_t end = t.size();
   while (out.size() < count && end > 0) {
@@ -135,6 +135,7 @@ std::vector<std::string> extract_last_boxes(std::string_view t, std::size_t coun
     end = b->start;
   }
   std::reverse(out.begin(), out.end());
+  if (first_start != nullptr) *first_start = end;
   return out;
 }
 

@@ -30,9 +30,11 @@ std::string_view after_think(std::string_view text);
 // Content of the last complete \boxed{...}/\fbox{...}; nullopt when there is none.
 std::optional<std::string> extract_last_boxed(std::string_view text);
 
-// The contents of the last `count` complete boxes, in reading order (fewer when there are fewer).
-// Used when the reference lists several parts and the completion boxes each part on its own.
-std::vector<std::string> extract_last_boxes(std::string_view text, std::size_t count);
+// The contents of the last `count` complete boxes, in reading order (fewer when there are fewer);
+// `first_start`, when given, receives the offset where the first of them begins. Used when the
+// reference lists several parts and the completion boxes each part on its own.
+std::vector<std::string> extract_last_boxes(std::string_view text, std::size_t count,
+                                            std::size_t* first_start = nullptr);
 
 // The evaluation-only fallback rules, in order; nullopt when nothing matches.
 std::optional<std::string> extract_fallback(std::string_view text);

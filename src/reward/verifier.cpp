@@ -147,22 +147,14 @@ std::size_t list_parts(std::string_view s) {
   return parts;
 }
 
-// True when the prose among the last k boxes takes one of them back ("\boxed{3} is wrong,
-// \boxed{5}", "wait, actually"): such boxes are a self-correction, not one answer per part.
-bool retracts(std::string_view tail, std::size_t k) {
-  std::size_t from = tail.size();
-  for (std::size_t n = 0; n < k; ++n) {
-    const std::size_t p = tail.rfind("\\boxed", from == 0 ? 0 : from - 1);
-    const std::size_t q = tail.rfind("\\fbox", from == 0 ? 0 : from - 1);
-    const std::size_t at = p == std::string_view::npos ? q : (q == std::string_view::npos ? p : std::max(p, q));
-    if (at == std::string_view::npos) break;
-    from = at;
-  }
-  std::string between(tail.substr(from));
-  for (char& c : between) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+// True when the text from the first of the last k boxes on takes one of them back ("\boxed{3} is
+// wrong, \boxed{5}", "wait, actually"): such boxes are a self-correction, not one answer per part.
+bool retracts(std::string_view boxes_text) {
+  std::string lower(boxes_text);
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   for (std::string_view w : {"wrong", "incorrect", "not ", "mistake", "actually", "instead", "wait", "correction",
                              "rather", "no,", "oops"})
-    if (between.find(w) != std::string::npos) return true;
+    if (lower.find(w) != std::string::npos) return true;
   return false;
 }
 
@@ -222,8 +214,9 @@ GradeResult grade(std::string_view completion, std::string_view reference, const
   // A reference listing k parts against one box per part ("(a) \boxed{5} ... (b) \boxed{9}").
   const std::size_t k = list_parts(reference_answer(reference));
   if (k >= 2 && k <= 16) {
-    std::vector<std::string> boxes = extract_last_boxes(tail, k);
-    if (boxes.size() == k && !retracts(tail, k)) {
+    std::size_t first = 0;
+    std::vector<std::string> boxes = extract_last_boxes(tail, k, &first);
+    if (boxes.size() == k && !retracts(tail.substr(first))) {
       std::string joined;
       for (const auto& b : boxes) joined += (joined.empty() ? "" : ", ") + b;
       GradeResult j = compare_answers(joined, reference, options.limits);

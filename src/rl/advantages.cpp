@@ -12,21 +12,29 @@ AdvantageMode parse_advantage_mode(const std::string& name) {
   throw_invalid("grpo.advantage must be \"dr_grpo\" or \"grpo\", got \"{}\"", name);
 }
 
-std::optional<GroupAdvantages> group_advantages(const std::vector<double>& rewards, AdvantageMode mode) {
+RewardStats reward_stats(const std::vector<double>& rewards) {
+  RewardStats st;
   double sum = 0;
-  int n = 0;
   for (double r : rewards)
     if (!std::isnan(r)) {
       sum += r;
-      ++n;
+      ++st.n;
     }
-  if (n < 2) return std::nullopt;
-  GroupAdvantages g;
-  g.mean = sum / n;
+  if (st.n == 0) return st;
+  st.mean = sum / st.n;
   double var = 0;
   for (double r : rewards)
-    if (!std::isnan(r)) var += (r - g.mean) * (r - g.mean);
-  g.std = std::sqrt(var / n);
+    if (!std::isnan(r)) var += (r - st.mean) * (r - st.mean);
+  st.std = std::sqrt(var / st.n);
+  return st;
+}
+
+std::optional<GroupAdvantages> group_advantages(const std::vector<double>& rewards, AdvantageMode mode) {
+  const RewardStats st = reward_stats(rewards);
+  if (st.n < 2) return std::nullopt;
+  GroupAdvantages g;
+  g.mean = st.mean;
+  g.std = st.std;
   for (double r : rewards) {
     if (std::isnan(r)) {
       g.advantages.push_back(0.0);

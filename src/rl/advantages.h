@@ -23,6 +23,13 @@ struct GroupAdvantages {
   double std = 0;                  // population std over valid members
 };
 
+// Mean and population std over the non-NaN rewards, and how many there are (0: mean = std = 0).
+struct RewardStats {
+  double mean = 0, std = 0;
+  int n = 0;
+};
+RewardStats reward_stats(const std::vector<double>& rewards);
+
 // nullopt when the group must be dropped (fewer than 2 non-NaN rewards).
 std::optional<GroupAdvantages> group_advantages(const std::vector<double>& rewards, AdvantageMode mode);
 

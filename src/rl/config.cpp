@@ -226,14 +226,16 @@ TrainConfig TrainConfig::parse(const std::string& text, const std::string& label
     const std::string section = dot != std::string::npos && dot < eq ? path.substr(0, dot) : "";
     const std::string key = section.empty() ? path : path.substr(dot + 1);
     auto bs = bindings(c);
+    std::string lookup_section = section, lookup_key = key;
     if (section == "rewards") {  // rewards.NAME.key
       const auto dot2 = key.find('.');
       if (dot2 == std::string::npos) throw_invalid("--set {}: expected rewards.NAME.key=value", o);
       auto& entry = reward_entry(c, key.substr(0, dot2), "--set " + o);
       bs = reward_bindings(entry.name, entry);
+      lookup_section = "rewards." + entry.name;
+      lookup_key = key.substr(dot2 + 1);
     }
-    const Binding* b = section == "rewards" ? find(bs, "rewards." + key.substr(0, key.find('.')), key.substr(key.find('.') + 1))
-                                            : find(bs, section, key);
+    const Binding* b = find(bs, lookup_section, lookup_key);
     if (b == nullptr) throw_invalid("--set {}: unknown key {}", o, path);
     toml::table t;
     try {

@@ -13,7 +13,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -26,6 +25,7 @@
 #include "http/client.h"
 #include "reward/reward_fn.h"
 #include "rl/advantages.h"
+#include "rl/scoring.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -460,64 +460,17 @@ struct Pipeline::Impl {
         active.emplace(key, g);  // kept for a checkpoint taken meanwhile (stored unscored)
       }
       const double t0 = now_s();
-      const Problem& pr = problem(g.prompt.index);
-      // Each member's reward; NaN (left out of the group's statistics) when the function failed.
-      std::atomic<std::int64_t> timeouts{0}, crashed{0}, invalid{0}, errors{0};
-      auto score_member = [&](Member& m) {
-        if (m.finish == "length") {
-          m.reward = opt.cfg.grpo.truncated_reward;
-          return;
-        }
-        std::vector<std::int32_t> ids = m.ids;
-        if (!ids.empty() && std::find(opt.stop_ids.begin(), opt.stop_ids.end(), ids.back()) != opt.stop_ids.end())
-          ids.pop_back();
-        const std::string text = tokenizer.decode(ids, /*skip_special=*/true);
-        reward::RewardInput in{pr.problem, text, ids, m.finish, pr.answers};
-        const double r0 = now_s();
-        try {
-          auto out = reward->score(in);
-          m.reward = out.reward;
-          m.parts.clear();
-          for (const auto& c : out.components) m.parts.push_back(c.value);
-          if (m.parts.empty()) m.parts.push_back(out.reward);
-        } catch (const reward::RewardCallFailed& e) {
-          // External rewards enforce their own hard deadline (the call was killed or abandoned).
-          if (e.kind() != reward::RewardFailure::kUnavailable) LS_LOG_WARN("trainer", "reward on prompt {}: {}", g.prompt.index, e.what());
-          m.reward = std::numeric_limits<double>::quiet_NaN();
-          switch (e.kind()) {
-            case reward::RewardFailure::kTimeout: ++timeouts; break;
-            case reward::RewardFailure::kCrashed: ++crashed; break;
-            case reward::RewardFailure::kInvalidOutput: ++invalid; break;
-            case reward::RewardFailure::kUnavailable: ++errors; break;
-          }
-          return;
-        } catch (const std::exception& e) {
-          LS_LOG_WARN("trainer", "reward function failed on prompt {}: {}", g.prompt.index, e.what());
-          m.reward = std::numeric_limits<double>::quiet_NaN();
-          ++errors;
-          return;
-        }
-        if (now_s() - r0 > opt.cfg.grpo.reward_timeout_s) {  // built-ins: late results are discarded
-          m.reward = opt.cfg.grpo.reward_on_timeout;
-          ++timeouts;
-        }
-      };
-      if (reward->parallel_members() && g.members.size() > 1) {
-        std::vector<std::thread> ts;
-        ts.reserve(g.members.size());
-        for (auto& m : g.members) ts.emplace_back([&score_member, &m] { score_member(m); });
-        for (auto& t : ts) t.join();
-      } else {
-        for (auto& m : g.members) score_member(m);
-      }
+      const ScoringRules rules{opt.cfg.grpo.truncated_reward, opt.cfg.grpo.reward_timeout_s, opt.cfg.grpo.reward_on_timeout,
+                         &opt.stop_ids};
+      const ScoringCounts failed = score_members(g.members, problem(g.prompt.index), *reward, tokenizer, rules);
       std::vector<double> rewards;
       for (const auto& m : g.members) rewards.push_back(m.reward);
       auto adv = group_advantages(rewards, adv_mode);
       std::unique_lock lk(mu);
-      counters["rollout/reward_timeout_total"] += timeouts.load();
-      counters["rollout/reward_crashed_total"] += crashed.load();
-      counters["rollout/reward_invalid_total"] += invalid.load();
-      counters["rollout/reward_error_total"] += errors.load();
+      counters["rollout/reward_timeout_total"] += failed.timeouts;
+      counters["rollout/reward_crashed_total"] += failed.crashed;
+      counters["rollout/reward_invalid_total"] += failed.invalid;
+      counters["rollout/reward_error_total"] += failed.errors;
       if (stopping) {  // shutting down: the rewards were abandoned; keep the group unscored
         active.erase(key);
         for (auto& m : g.members) m.reward = std::numeric_limits<double>::quiet_NaN();

@@ -2,8 +2,9 @@
 // loss, backward, clipping, AdamW, fp16 scaling), its metrics and the console line (trainer.md §2-3, §6).
 #include "rl/trainer_impl.h"
 
-#include <cmath>
 #include <ATen/core/grad_mode.h>
+
+#include "rl/advantages.h"
 
 namespace lorasync::rl::detail {
 
@@ -216,14 +217,11 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   double stale_sum = 0, stale_max = 0, tq = 0;
   const double tnow = now_s();
   double scored = 0;  // members with a reward (a failed external reward leaves NaN: excluded)
+  std::vector<double> rewards;
   for (const auto& g : groups) {
-    double gm = 0, gs = 0, gn = 0;
-    for (const auto& mem : g.members)
-      if (!std::isnan(mem.reward)) gm += mem.reward, gn += 1;
-    gm /= std::max(1.0, gn);
-    for (const auto& mem : g.members)
-      if (!std::isnan(mem.reward)) gs += (mem.reward - gm) * (mem.reward - gm);
-    gs = std::sqrt(gs / std::max(1.0, gn));
+    rewards.clear();
+    for (const auto& mem : g.members) rewards.push_back(mem.reward);
+    const double gs = reward_stats(rewards).std;
     rstd_sum += gs;
     if (gs == 0) zero_std += 1;
     const auto s = static_cast<double>(pipe_->staleness_of(g));
