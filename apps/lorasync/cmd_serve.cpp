@@ -65,6 +65,12 @@ void register_serve(CLI::App& root, Registry& reg) {
   sub->add_option("--threads", o->threads, "compute threads (0 = all cores)")->capture_default_str();
   sub->add_option("--http-threads", o->http_threads, "HTTP io threads")->capture_default_str();
   sub->add_option("--shutdown-grace", o->shutdown_grace_s, "seconds to finish in-flight requests on SIGTERM")->capture_default_str();
+  sub->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (larger: 413)")->capture_default_str();
+  sub->add_option("--max-queued-seqs", o->max_queued_seqs,
+                  "sequences (prompts x n) queued or running at most; more answer 429 (0 = max(4096, 16 x --max-num-seqs))")
+      ->capture_default_str();
+  sub->add_option("--step-timeout", o->step_timeout_s, "seconds an engine step may run before /health answers 503")
+      ->capture_default_str();
   auto seed = std::make_shared<std::uint64_t>(0);
   sub->add_option("--seed", *seed, "accepted for vLLM compatibility (requests carry their own seeds)");
   reg.add(sub, [o, no_prefix]() {

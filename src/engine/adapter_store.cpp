@@ -2,12 +2,21 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <optional>
+#include <span>
 #include <system_error>
+#include <utility>
 
 #include "core/io/safetensors.h"
 #include "util/error.h"
 #include "util/files.h"
+#include "util/json_limits.h"
 #include "util/sha256.h"
 
 namespace lorasync::engine {
@@ -17,10 +26,14 @@ namespace fs = std::filesystem;
 namespace {
 
 const char* const kPeftFiles[] = {"adapter_config.json", "adapter_model.safetensors"};
+constexpr std::uint64_t kMaxJsonFileBytes = 1ull << 20;    // adapter_config.json, manifest.json
+constexpr std::uint64_t kMaxOtherFileBytes = 64ull << 20;  // other files a manifest lists
 
 [[noreturn]] void not_found(const std::string& path, const std::string& why) {
   throw Error(ErrorKind::kNotFound, fmt::format("No adapter found for {}: {}", path, why), "lora_path");
 }
+
+[[noreturn]] void invalid(const std::string& why) { throw Error(ErrorKind::kInvalidInput, why, "lora_path"); }
 
 bool under_root(const fs::path& p, const fs::path& root) {
   auto pi = p.begin();
@@ -29,6 +42,94 @@ bool under_root(const fs::path& p, const fs::path& root) {
     if (pi == p.end() || *pi != *ri) return false;
   }
   return true;
+}
+
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  Fd(Fd&& o) noexcept : fd(std::exchange(o.fd, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    std::swap(fd, o.fd);
+    return *this;
+  }
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Opens `dir` as a directory. Under a root, every component below the root is opened with
+// O_NOFOLLOW from the root's descriptor, so a symlink swapped in after the check is refused.
+Fd open_dir(const fs::path& resolved, const fs::path* root, const std::string& shown) {
+  if (root == nullptr) {
+    Fd d(::open(resolved.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (d.fd < 0) not_found(shown, "the directory does not exist");
+    return d;
+  }
+  Fd d(::open(root->c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.fd < 0) not_found(shown, fmt::format("the allowed root {} cannot be opened ({})", root->string(), errno_text()));
+  for (const auto& comp : resolved.lexically_relative(*root)) {
+    if (comp.empty() || comp == ".") continue;
+    if (comp == "..") throw Error(ErrorKind::kForbidden, fmt::format("lora_path {} leaves its root", shown), "lora_path");
+    Fd next(::openat(d.fd, comp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (next.fd < 0) {
+      if (errno == ELOOP || errno == ENOTDIR) {
+        struct stat stt;
+        if (::fstatat(d.fd, comp.c_str(), &stt, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(stt.st_mode))
+          throw Error(ErrorKind::kForbidden,
+                      fmt::format("lora_path {}: {} became a symbolic link after the path was checked", shown,
+                                  comp.string()),
+                      "lora_path");
+      }
+      not_found(shown, "the directory does not exist");
+    }
+    d = std::move(next);
+  }
+  return d;
+}
+
+// Reads one file of the adapter directory: no symlinks, regular files only (a FIFO or a device
+// would block or never end), at most `cap` bytes, within the deadline. Absent: nullopt.
+std::optional<std::string> read_member(int dirfd, const std::string& fname, std::uint64_t cap,
+                                       std::chrono::steady_clock::time_point deadline, const std::string& shown) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer.
+  Fd f(::openat(dirfd, fname.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (f.fd < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    if (errno == ELOOP) invalid(fmt::format("{}/{} is a symbolic link; adapter files must be regular files", shown, fname));
+    not_found(shown, fmt::format("{} cannot be opened ({})", fname, errno_text()));
+  }
+  struct stat stt;
+  if (::fstat(f.fd, &stt) != 0) not_found(shown, fmt::format("{} cannot be read ({})", fname, errno_text()));
+  if (!S_ISREG(stt.st_mode)) invalid(fmt::format("{}/{} is not a regular file", shown, fname));
+  const auto size = static_cast<std::uint64_t>(stt.st_size);
+  if (size > cap) invalid(fmt::format("{}/{} has {} bytes, more than the {} allowed", shown, fname, size, cap));
+  std::string out;
+  out.resize(static_cast<std::size_t>(size));
+  std::size_t off = 0;
+  while (off < out.size()) {
+    if (std::chrono::steady_clock::now() > deadline)
+      throw Error(ErrorKind::kEnvironment,
+                  fmt::format("reading {}/{} did not finish within the load deadline", shown, fname), "lora_path");
+    const std::size_t want = std::min<std::size_t>(out.size() - off, 4u << 20);
+    const ssize_t n = ::pread(f.fd, out.data() + off, want, static_cast<off_t>(off));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) not_found(shown, fmt::format("{} cannot be read ({})", fname, errno_text()));
+    if (n == 0) not_found(shown, fmt::format("{} shrank while being read (still arriving?)", fname));
+    off += static_cast<std::size_t>(n);
+  }
+  return out;
+}
+
+// The largest adapter_model.safetensors a valid adapter of rank <= max_rank can have (8-byte
+// values, every module targeted) plus room for the header.
+std::uint64_t max_weights_bytes(const model::Qwen2Config& base, std::int64_t max_rank) {
+  const std::uint64_t r = static_cast<std::uint64_t>(max_rank > 0 ? max_rank : 256);
+  std::uint64_t per_layer = 0;
+  for (int m = 0; m < model::kNumLoraModules; ++m) {
+    auto [in, out] = model::lora_module_shape(base, static_cast<model::LoraModule>(m));
+    per_layer += r * static_cast<std::uint64_t>(in + out) * 8;
+  }
+  return per_layer * static_cast<std::uint64_t>(base.num_hidden_layers) + (16ull << 20);
 }
 
 }  // namespace
@@ -44,66 +145,98 @@ std::string adapter_digest(const std::map<std::string, std::string>& file_sha256
   return h.hex_digest();
 }
 
-LoadedAdapter read_adapter(const std::string& name, const std::string& path,
-                           const std::vector<std::string>& allowed_roots,
-                           const model::Qwen2Config& base, std::int64_t max_rank,
-                           c10::Device device) {
-  if (path.empty()) throw Error(ErrorKind::kInvalidInput, "lora_path must not be empty", "lora_path");
+LoadedAdapter read_adapter(const std::string& name, const std::string& path, const AdapterLoadPolicy& policy,
+                           const model::Qwen2Config& base, c10::Device device) {
+  if (path.empty()) invalid("lora_path must not be empty");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                               std::chrono::duration<double>(policy.deadline_s));
   std::error_code ec;
   fs::path resolved = fs::weakly_canonical(fs::absolute(path), ec);
-  if (ec) resolved = fs::absolute(path).lexically_normal();
-  if (!allowed_roots.empty()) {
-    bool ok = false;
-    for (const auto& r : allowed_roots) {
+  // Fail closed: a path that cannot be resolved is never compared lexically against the roots.
+  if (ec) {
+    if (!policy.allowed_roots.empty())
+      throw Error(ErrorKind::kForbidden, fmt::format("lora_path {} cannot be resolved ({})", path, ec.message()),
+                  "lora_path");
+    not_found(path, fmt::format("the path cannot be resolved ({})", ec.message()));
+  }
+  std::optional<fs::path> root;
+  if (!policy.allowed_roots.empty()) {
+    for (const auto& r : policy.allowed_roots) {
       std::error_code ec2;
-      fs::path root = fs::weakly_canonical(fs::absolute(r), ec2);
-      if (ec2) root = fs::absolute(r).lexically_normal();
-      if (under_root(resolved, root)) ok = true;
+      fs::path rp = fs::weakly_canonical(fs::absolute(r), ec2);
+      if (ec2) continue;  // a root that cannot be resolved allows nothing
+      if (under_root(resolved, rp)) {
+        root = rp;
+        break;
+      }
     }
-    if (!ok)
+    if (!root)
       throw Error(ErrorKind::kForbidden,
                   fmt::format("lora_path {} (resolved {}) is outside the allowed adapter roots", path,
                               resolved.string()),
                   "lora_path");
   }
-  if (!fs::is_directory(resolved, ec)) not_found(path, "the directory does not exist");
+  Fd dir = open_dir(resolved, root ? &*root : nullptr, path);
 
+  // Every byte below is read once: what is hashed is what is parsed.
   std::map<std::string, std::string> shas;
-  fs::path manifest = resolved / "manifest.json";
-  std::string manifest_digest;
-  if (fs::exists(manifest, ec)) {
+  std::map<std::string, std::string> bytes;
+  const std::uint64_t weights_cap = max_weights_bytes(base, policy.max_rank);
+  auto cap_of = [&](const std::string& f) {
+    if (f == "adapter_model.safetensors") return weights_cap;
+    if (f == "adapter_config.json") return kMaxJsonFileBytes;
+    return kMaxOtherFileBytes;
+  };
+  auto manifest_text = read_member(dir.fd, "manifest.json", kMaxJsonFileBytes, deadline, path);
+  if (manifest_text) {
+    check_json_depth(*manifest_text, "manifest.json");
     nlohmann::json m;
     try {
-      m = nlohmann::json::parse(read_file(manifest));
+      m = nlohmann::json::parse(*manifest_text);
     } catch (const nlohmann::json::exception& e) {
       not_found(path, fmt::format("manifest.json is incomplete or invalid ({})", e.what()));
     }
     if (!m.is_object() || !m.contains("files") || !m["files"].is_object())
       not_found(path, "manifest.json has no 'files' object");
+    if (m["files"].size() > 64) invalid(fmt::format("{}: manifest.json lists {} files (at most 64)", path, m["files"].size()));
     for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
       const std::string fname = it.key();
-      if (fname.find('/') != std::string::npos || fname == "..")
-        throw Error(ErrorKind::kInvalidInput, fmt::format("manifest.json lists an invalid file name '{}'", fname), "lora_path");
-      fs::path f = resolved / fname;
-      if (!fs::exists(f, ec)) not_found(path, fmt::format("{} is listed in manifest.json but missing", fname));
+      if (fname.empty() || fname.find('/') != std::string::npos || fname == "." || fname == ".." ||
+          fname.find('\0') != std::string::npos)
+        invalid(fmt::format("manifest.json lists an invalid file name '{}'", fname));
+      if (!it.value().is_object()) invalid(fmt::format("manifest.json: the entry of {} is not an object", fname));
       const auto want_bytes = it.value().value("bytes", std::uint64_t{0});
-      const auto have_bytes = fs::file_size(f, ec);
-      if (ec || have_bytes != want_bytes)
-        not_found(path, fmt::format("{} has {} bytes, the manifest says {}", fname, have_bytes, want_bytes));
-      auto sha = sha256_file(f);
+      auto data = read_member(dir.fd, fname, cap_of(fname), deadline, path);
+      if (!data) not_found(path, fmt::format("{} is listed in manifest.json but missing", fname));
+      if (data->size() != want_bytes)
+        not_found(path, fmt::format("{} has {} bytes, the manifest says {}", fname, data->size(), want_bytes));
+      auto sha = sha256_hex(*data);
       if (sha != it.value().value("sha256", std::string()))
         not_found(path, fmt::format("{} does not match its SHA-256 in manifest.json", fname));
       shas[fname] = sha;
+      if (fname == kPeftFiles[0] || fname == kPeftFiles[1]) bytes[fname] = std::move(*data);
     }
     for (const char* f : kPeftFiles)
       if (!shas.count(f)) not_found(path, fmt::format("manifest.json does not list {}", f));
-    manifest_digest = m.value("adapter_sha256", std::string());
+    const std::string manifest_digest = m.value("adapter_sha256", std::string());
     if (!manifest_digest.empty() && manifest_digest != adapter_digest(shas))
       not_found(path, "adapter_sha256 in manifest.json does not match its files");
+    // An adapter trained on another base model computes nonsense on this one.
+    if (!policy.base_sha256.empty() && m.contains("base_model") && m["base_model"].is_object()) {
+      const std::string trained_on = m["base_model"].value("sha256", std::string());
+      if (!trained_on.empty() && trained_on != policy.base_sha256)
+        throw Error(ErrorKind::kConflict,
+                    fmt::format("{}: the adapter was trained on base model {} (sha256 {}), this server serves sha256 {}",
+                                path, m["base_model"].value("name", std::string("?")), trained_on.substr(0, 16),
+                                policy.base_sha256.substr(0, 16)),
+                    "lora_path");
+    }
   } else {
     for (const char* f : kPeftFiles) {
-      if (!fs::exists(resolved / f, ec)) not_found(path, fmt::format("{} is missing", f));
-      shas[f] = sha256_file(resolved / f);
+      auto data = read_member(dir.fd, f, cap_of(f), deadline, path);
+      if (!data) not_found(path, fmt::format("{} is missing", f));
+      shas[f] = sha256_hex(*data);
+      bytes[f] = std::move(*data);
     }
   }
 
@@ -111,15 +244,17 @@ LoadedAdapter read_adapter(const std::string& name, const std::string& path,
   out.name = name;
   out.path = resolved.string();
   out.sha256 = adapter_digest(shas);
+  const std::string& st = bytes[kPeftFiles[1]];
   try {
-    out.weights = std::make_shared<const model::LoraAdapter>(
-        model::LoraAdapter::load_peft(resolved, base, device, max_rank));
+    out.weights = std::make_shared<const model::LoraAdapter>(model::LoraAdapter::from_peft(
+        bytes[kPeftFiles[0]], std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(st.data()), st.size()),
+        resolved.string(), base, device, policy.max_rank));
   } catch (const Error& e) {
     std::string what = e.what();
     // A file still being copied shows up as a truncated safetensors image.
     if (what.find("exceed the data size") != std::string::npos || what.find("too short") != std::string::npos)
       not_found(path, what);
-    throw Error(ErrorKind::kInvalidInput, what, "lora_path");
+    invalid(what);
   }
   return out;
 }

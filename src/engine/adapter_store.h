@@ -2,7 +2,13 @@
 // loading side), off the engine thread.
 //
 //  1. The path is resolved (symlinks, "..") and must lie under one of the allowed roots
-//     (Forbidden otherwise; no roots = any path).
+//     (Forbidden otherwise, and when it cannot be resolved: fail closed; no roots = any path).
+//     The directory is then opened component by component from the root with O_NOFOLLOW, and
+//     every file with openat(O_NOFOLLOW) from it: a symlink swapped in after the check is
+//     refused. Files must be regular (a FIFO or a device is refused, never waited on), within
+//     size caps (1 MiB for JSON, the largest valid adapter of max_rank for the weights), and
+//     read within the load deadline. Each file is read once: the bytes hashed are the bytes
+//     parsed.
 //  2. With a manifest.json: every listed file must exist with its size and SHA-256, and the
 //     manifest's adapter_sha256 must match; anything missing or different means the version may
 //     still be arriving: NotFound "No adapter found for <path>: <why>" (callers retry).
@@ -10,6 +16,7 @@
 //     are NotFound the same way; the identity is computed from the files.
 //  3. The PEFT config and every tensor are validated against the base model (rank <= max_rank,
 //     targets, shapes, no DoRA or modules_to_save): InvalidInput naming the problem.
+//  4. A manifest naming another base model (base_model.sha256) than the server's: Conflict.
 //
 // adapter_sha256 = SHA-256 over the sorted (file name, file SHA-256) pairs, each pair written as
 // "<name>\0<hex>\n" (the same function the trainer's publisher uses; docs/formats.md).
@@ -37,11 +44,24 @@ struct LoadedAdapter {
 // adapter_sha256 from (file name -> file sha256) pairs.
 std::string adapter_digest(const std::map<std::string, std::string>& file_sha256);
 
-// Steps 1-3 above. `allowed_roots` empty = any path.
-LoadedAdapter read_adapter(const std::string& name, const std::string& path,
-                           const std::vector<std::string>& allowed_roots,
-                           const model::Qwen2Config& base, std::int64_t max_rank,
-                           c10::Device device);
+struct AdapterLoadPolicy {
+  std::vector<std::string> allowed_roots;  // empty = any path
+  std::int64_t max_rank = 0;               // 0 = any rank
+  std::string base_sha256;                 // this server's base model identity ("" = not checked)
+  double deadline_s = 60;                  // reading the files takes at most this long
+};
+
+// Steps 1-4 above.
+LoadedAdapter read_adapter(const std::string& name, const std::string& path, const AdapterLoadPolicy& policy,
+                           const model::Qwen2Config& base, c10::Device device);
+inline LoadedAdapter read_adapter(const std::string& name, const std::string& path,
+                                  const std::vector<std::string>& allowed_roots, const model::Qwen2Config& base,
+                                  std::int64_t max_rank, c10::Device device) {
+  AdapterLoadPolicy p;
+  p.allowed_roots = allowed_roots;
+  p.max_rank = max_rank;
+  return read_adapter(name, path, p, base, device);
+}
 
 // Writes manifest.json for a directory holding PEFT files (the publisher's last step), durably.
 // Returns adapter_sha256.

@@ -128,8 +128,21 @@ void Engine::validate(const RequestSpec& spec) const {
     throw Error(ErrorKind::kNotFound, fmt::format("The model `{}` does not exist.", spec.model), "model");
 }
 
+void Engine::check_capacity(std::int64_t seqs) const {
+  if (opts_.max_queued_seqs <= 0) return;
+  const std::int64_t q = impl_->queued_seqs.load();
+  if (q + seqs > opts_.max_queued_seqs) {
+    impl_->rejected_queue_full.fetch_add(1);
+    throw Error(ErrorKind::kUnavailable,
+                fmt::format("the server is busy: {} sequences are queued or running and this request adds {} "
+                            "(limit {}, --max-queued-seqs); retry later",
+                            q, seqs, opts_.max_queued_seqs));
+  }
+}
+
 void Engine::submit(RequestSpec spec) {
   validate(spec);
+  impl_->queued_seqs += spec.params.n;
   auto shared = std::make_shared<RequestSpec>(std::move(spec));
   impl_->post([this, shared] { impl_->add_request(std::move(*shared)); });
 }
@@ -261,9 +274,40 @@ std::future<std::int64_t> Engine::reset_prefix_cache() {
 
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lk(impl_->snap_mu);
-  return impl_->snap_stats;
+  EngineStats s = impl_->snap_stats;
+  s.rejected_queue_full = impl_->rejected_queue_full.load();
+  return s;
 }
 
 bool Engine::alive() const { return impl_->alive; }
+
+EngineHealth Engine::health() const {
+  const Impl& I = *impl_;
+  EngineHealth h;
+  const double now = now_seconds();
+  const double started = I.step_started.load();
+  h.step_running_s = started > 0 ? now - started : 0;
+  h.consecutive_failures = I.consecutive_failures.load();
+  double last_failure_at = 0;
+  {
+    std::lock_guard<std::mutex> lk(I.snap_mu);
+    h.step_failures_total = I.snap_stats.step_failures;
+    h.last_error = I.last_error;
+    last_failure_at = I.last_failure_at;
+  }
+  if (!I.alive) {
+    h.healthy = false;
+    h.reason = "engine is not running";
+  } else if (h.step_running_s > opts_.step_timeout_s) {
+    h.healthy = false;
+    h.reason = fmt::format("engine step has been running for {:.0f} s (--step-timeout {} s)", h.step_running_s,
+                           opts_.step_timeout_s);
+  } else if (opts_.max_step_failures > 0 && h.consecutive_failures >= opts_.max_step_failures &&
+             now - last_failure_at < opts_.failure_cooldown_s) {
+    h.healthy = false;
+    h.reason = fmt::format("the last {} engine steps failed; last error: {}", h.consecutive_failures, h.last_error);
+  }
+  return h;
+}
 
 }  // namespace lorasync::engine

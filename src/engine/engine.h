@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -58,6 +59,29 @@ struct EngineOptions {
   std::vector<std::int32_t> eos_ids;         // model EOS ids (stop unless ignore_eos)
   std::int64_t max_n = 64;                   // largest n accepted
   std::int64_t max_logprobs = 20;            // largest top-k logprobs accepted
+  // Admission control: sequences (prompts x n) queued or running at most; submit() refuses more
+  // with Unavailable (serve answers 429 with Retry-After). 0 = unbounded.
+  std::int64_t max_queued_seqs = 0;
+  // Health (health()): a step running longer than this, or `max_step_failures` failed steps in a
+  // row within the last `failure_cooldown_s`, make the engine unhealthy.
+  double step_timeout_s = 120;
+  int max_step_failures = 3;
+  double failure_cooldown_s = 30;
+  // Fault injection for tests (LORASYNC_FAULTS in serve): called on the engine thread before each
+  // forward with the step number; it may throw (the step fails) or sleep (the step hangs).
+  std::function<void(std::int64_t step)> before_forward;
+};
+
+// What /health reports. `healthy` is false when the engine thread has stopped, a step has run past
+// step_timeout_s, or the last max_step_failures steps failed (for failure_cooldown_s after the
+// last one: a replica taken out of service gets another chance, like a circuit breaker).
+struct EngineHealth {
+  bool healthy = true;
+  std::string reason;                    // why not healthy ("" when healthy)
+  double step_running_s = 0;             // the current step's duration so far (0 between steps)
+  std::int64_t consecutive_failures = 0;
+  std::int64_t step_failures_total = 0;
+  std::string last_error;
 };
 
 struct AdapterInfo {
@@ -94,6 +118,7 @@ struct EngineStats {
   std::int64_t prefill_tokens_computed = 0;
   std::int64_t preemptions = 0, steps = 0;
   std::int64_t adapter_loads = 0, adapter_load_failures = 0, adapter_unloads = 0;
+  std::int64_t step_failures = 0, command_failures = 0, rejected_queue_full = 0;
   std::map<std::string, std::int64_t> requests_by_model;
   std::vector<double> ttft_s;          // recent time-to-first-token samples (bounded)
   std::vector<double> itl_s;           // recent inter-token latencies (bounded)
@@ -116,6 +141,9 @@ class Engine {
   // queues it. Output arrives through spec.sink. Safe from any thread.
   void submit(RequestSpec spec);
   void validate(const RequestSpec& spec) const;
+  // Unavailable ("the server is busy ...") when `seqs` more sequences would pass max_queued_seqs.
+  // Call once per HTTP request before submitting its sub-requests (a soft limit: not a reservation).
+  void check_capacity(std::int64_t seqs) const;
   // Ends a request (finish_reason "abort"); unknown ids are ignored.
   void abort(const std::string& request_id);
 
@@ -133,7 +161,8 @@ class Engine {
   std::future<std::int64_t> reset_prefix_cache();
 
   EngineStats stats() const;
-  bool alive() const;  // the engine thread runs and has not failed
+  bool alive() const;  // the engine thread runs
+  EngineHealth health() const;
 
   struct Impl;
 

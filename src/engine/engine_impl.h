@@ -106,6 +106,13 @@ struct Engine::Impl {
   bool stopping = false;
   std::thread thread;
   std::atomic<bool> alive{false};
+  std::atomic<std::int64_t> queued_seqs{0};   // sequences submitted and not completed
+  std::atomic<std::int64_t> rejected_queue_full{0};
+  // Health: the current step's start (steady seconds, 0 between steps) and failures.
+  std::atomic<double> step_started{0};
+  std::atomic<std::int64_t> consecutive_failures{0};
+  double last_failure_at = 0;                 // snap_mu
+  std::string last_error;                     // snap_mu
 
   // Engine-thread state.
   std::unordered_map<std::string, std::unique_ptr<Group>> groups;
@@ -254,6 +261,7 @@ struct Engine::Impl {
     s->text_sent = s->text.size();
     d.finish = why;
     d.error = error;
+    d.internal = why == FinishReason::kError;  // the request's own errors never reach a sequence
     release_blocks(s);
     if (s->in_running) {
       running.erase(std::remove(running.begin(), running.end(), s), running.end());
@@ -280,8 +288,14 @@ struct Engine::Impl {
       }
     }
     LS_LOG_DEBUG("engine", "{} complete", g->spec.id);
-    deliver(g, true);
-    groups.erase(g->spec.id);
+    queued_seqs -= g->spec.params.n;
+    const std::string id = g->spec.id;
+    try {
+      deliver(g, true);
+    } catch (const std::exception& e) {
+      LS_LOG_ERROR("engine", "{}: delivering its last output failed: {}", id, e.what());
+    }
+    groups.erase(id);
     return true;
   }
 
@@ -292,6 +306,7 @@ struct Engine::Impl {
         auto& d = delta_of(g, j);
         d.finish = why;
         d.error = error;
+        d.internal = why == FinishReason::kError;
       }
       g->n_done += g->spec.params.n - 1;
       g->forked = true;
@@ -309,6 +324,7 @@ struct Engine::Impl {
         ChoiceDelta d;
         d.finish = FinishReason::kError;
         d.error = fmt::format("The model `{}` does not exist.", spec.model);
+        queued_seqs -= spec.params.n;
         if (spec.sink) spec.sink->on_output({d}, {}, true);
         return;
       }
@@ -483,6 +499,7 @@ struct Engine::Impl {
 
   // ---- one step --------------------------------------------------------------------------
   void step(const std::vector<Sched>& sched) {
+    if (opts.before_forward) opts.before_forward(st.steps);
     const auto bs = bm->block_size();
     const c10::Device dev = model->device();
     std::vector<std::int64_t> toks, pos, slot_map;
@@ -652,6 +669,92 @@ struct Engine::Impl {
     return !waiting.empty() && !(paused && *paused == PauseMode::kWait);
   }
 
+  // Every group still in the engine ends with an engine error (after a failure outside a step).
+  void fail_all(const std::string& why) {
+    std::vector<std::string> ids;
+    for (auto& [id, g] : groups) ids.push_back(id);
+    fail_groups(ids, why);
+  }
+
+  // Ends the named groups that still exist with an internal error. By id, not by pointer: ending
+  // one group can erase another's sequences (a failed step's schedule holds sequences of groups
+  // that an earlier abort in the same loop completed).
+  void fail_groups(const std::vector<std::string>& ids, const std::string& why) {
+    for (const auto& id : ids) {
+      auto it = groups.find(id);
+      if (it == groups.end()) continue;
+      Group* g = it->second.get();
+      try {
+        abort_group(g, FinishReason::kError, why);  // may erase g
+      } catch (const std::exception& e) {
+        // The sink itself failed: drop the group without telling it more.
+        LS_LOG_ERROR("engine", "{}: ending it failed too ({}); dropped", id, e.what());
+        if (groups.count(id)) {
+          for (auto& s : g->seqs) {
+            release_blocks(s.get());
+            running.erase(std::remove(running.begin(), running.end(), s.get()), running.end());
+            waiting.erase(std::remove(waiting.begin(), waiting.end(), s.get()), waiting.end());
+          }
+          if (g->slot >= 0) {
+            Slot& sl = slots[static_cast<std::size_t>(g->slot)];
+            if (--sl.inflight == 0 && sl.draining) {
+              sl.adapter.reset();
+              sl.draining = false;
+            }
+          }
+          queued_seqs -= g->spec.params.n;
+          groups.erase(id);
+        }
+      }
+    }
+  }
+
+  void note_step_failure(const std::string& what) {
+    ++st.step_failures;
+    ++consecutive_failures;
+    std::lock_guard<std::mutex> lk(snap_mu);
+    last_failure_at = now_seconds();
+    last_error = what;
+  }
+
+  // One scheduled step and the delivery of its outputs. Throws only for failures outside the
+  // forward pass (scheduling, delivery); the step's own failure ends its groups here.
+  void iterate() {
+    auto sched = schedule();
+    if (!sched.empty()) {
+      std::vector<std::string> ids;
+      for (const auto& sc : sched)
+        if (std::find(ids.begin(), ids.end(), sc.seq->g->spec.id) == ids.end()) ids.push_back(sc.seq->g->spec.id);
+      step_started = now_seconds();
+      try {
+        step(sched);
+        step_started = 0;
+        consecutive_failures = 0;
+      } catch (const std::exception& e) {
+        step_started = 0;
+        LS_LOG_ERROR("engine", "step {} failed, failing its {} request(s): {}", st.steps, ids.size(), e.what());
+        note_step_failure(e.what());
+        fail_groups(ids, std::string("engine error: ") + e.what());
+      }
+      ++st.steps;
+    }
+    // Deliver outputs of every group touched in this step; a sink that throws ends its group.
+    std::vector<std::string> broken;
+    for (auto& [id, g] : groups) {
+      try {
+        deliver(g.get(), false);
+      } catch (const std::exception& e) {
+        LS_LOG_ERROR("engine", "{}: delivering output failed: {}", id, e.what());
+        broken.push_back(id);
+      }
+    }
+    for (const auto& id : broken) {
+      auto it = groups.find(id);
+      if (it != groups.end()) it->second->spec.sink.reset();
+    }
+    fail_groups(broken, "engine error: output delivery failed");
+  }
+
   void loop() {
     for (;;) {
       std::deque<std::function<void()>> batch;
@@ -661,31 +764,43 @@ struct Engine::Impl {
         if (stopping) break;
         batch.swap(cmds);
       }
-      for (auto& f : batch) f();
-      if (!runnable()) {
-        publish_stats();
-        continue;
-      }
-      auto sched = schedule();
-      if (!sched.empty()) {
+      // Nothing that throws may leave this loop: an escaping exception would end the process.
+      for (auto& f : batch) {
         try {
-          step(sched);
+          f();
         } catch (const std::exception& e) {
-          LS_LOG_ERROR("engine", "step failed, failing its {} sequences: {}", sched.size(), e.what());
-          for (const auto& sc : sched)
-            if (sc.seq->finish == FinishReason::kNone && groups.count(sc.seq->g->spec.id))
-              abort_group(sc.seq->g, FinishReason::kError, std::string("engine error: ") + e.what());
+          ++st.command_failures;
+          LS_LOG_ERROR("engine", "a command failed: {}", e.what());
         }
-        ++st.steps;
       }
-      // Deliver outputs of every group touched in this step.
-      for (auto& [id, g] : groups) deliver(g.get(), false);
-      publish_stats();
+      try {
+        if (runnable()) iterate();
+      } catch (const std::exception& e) {
+        step_started = 0;
+        LS_LOG_ERROR("engine", "engine iteration failed, failing every request in the engine: {}", e.what());
+        note_step_failure(e.what());
+        try {
+          fail_all(std::string("engine error: ") + e.what());
+        } catch (const std::exception& e2) {
+          LS_LOG_ERROR("engine", "failing the requests failed too: {}", e2.what());
+        }
+      }
+      try {
+        publish_stats();
+      } catch (const std::exception& e) {
+        LS_LOG_ERROR("engine", "publishing stats failed: {}", e.what());
+      }
     }
     // Shutdown: abort everything still queued or running.
     std::vector<Group*> all;
     for (auto& [id, g] : groups) all.push_back(g.get());
-    for (Group* g : all) abort_group(g, FinishReason::kAbort);
+    for (Group* g : all) {
+      try {
+        abort_group(g, FinishReason::kAbort);
+      } catch (const std::exception& e) {
+        LS_LOG_ERROR("engine", "aborting {} at shutdown failed: {}", g->spec.id, e.what());
+      }
+    }
     alive = false;
   }
 };

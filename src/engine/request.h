@@ -52,6 +52,7 @@ struct ChoiceDelta {
   std::string text;                 // new text (stop strings removed; held back while ambiguous)
   FinishReason finish = FinishReason::kNone;
   std::string error;                // with kError
+  bool internal = false;            // with kError: the engine failed (5xx), not the request (404)
 };
 
 struct RequestUsage {

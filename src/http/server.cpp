@@ -262,10 +262,27 @@ class Server::Impl {
     }
   }
 
-  net::awaitable<void> reply_and_close(std::shared_ptr<Session> s, int status, std::string_view msg) {
+  // Answers and closes. Lingering close: the client may still be sending a body we refused (413);
+  // closing a socket with unread input sends a reset that can destroy the answer before the client
+  // reads it, so stop sending, then read and discard what arrives (bounded in bytes and time).
+  net::awaitable<void> reply_and_close(std::shared_ptr<Session> s, int status, std::string_view msg,
+                                       bool retry_after = false) {
     Writer w(*s, false, false, opts.write_timeout_s);
-    co_await w.send(error_response(status, msg));
+    Response r = error_response(status, msg);
+    if (retry_after) r.headers.add("Retry-After", "1");
+    if (!co_await w.send(std::move(r))) co_return;
+    beast::error_code ec;
+    s->stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+    s->stream.expires_after(secs(kLingerSeconds));
+    std::array<char, 16384> sink;
+    std::uint64_t drained = 0;
+    while (!ec && drained < kLingerBytes) {
+      std::size_t n = co_await s->stream.async_read_some(net::buffer(sink), net::redirect_error(net::use_awaitable, ec));
+      drained += n;
+    }
   }
+  static constexpr double kLingerSeconds = 2;
+  static constexpr std::uint64_t kLingerBytes = 128ull << 20;
 
   net::awaitable<void> run_session(std::shared_ptr<Session> s, std::uint64_t id) {
     beast::flat_buffer buf;
@@ -285,7 +302,11 @@ class Server::Impl {
           if (ec) break;
           buf.commit(n);
         }
-        if (stopping.load() || s->closed) break;
+        if (s->closed) break;
+        // A request that reached a keep-alive connection during shutdown gets an answer (503,
+        // Connection: close, Retry-After) rather than a silent close the client cannot tell apart
+        // from a failure.
+        const bool refuse = stopping.load();
         s->busy = true;
         bhttp::request_parser<bhttp::string_body> parser;
         parser.header_limit(static_cast<std::uint32_t>(opts.max_header_bytes));
@@ -317,6 +338,10 @@ class Server::Impl {
           break;
         }
         s->stream.expires_never();
+        if (refuse) {
+          co_await reply_and_close(s, 503, "the server is shutting down; retry on another replica", true);
+          break;
+        }
         LS_LOG_DEBUG("http", "session {} read request", id);
         auto& msg = parser.get();
         Request req;
@@ -427,11 +452,9 @@ void Server::stop(double grace_s) {
     beast::error_code ec;
     if (I.acceptor) I.acceptor->close(ec);
   });
-  I.for_each_session([](std::shared_ptr<Session> s) {
-    net::post(s->stream.get_executor(), [s] {
-      if (!s->busy) s->close();
-    });
-  });
+  // Idle keep-alive connections stay open while in-flight requests finish: a request that
+  // arrives on one now is answered 503 (Connection: close, Retry-After) instead of meeting a close
+  // that races with it and looks like a failed replica. All close when the grace period ends.
   {
     std::unique_lock lk(I.mu);
     I.cv.wait_for(lk, std::chrono::duration<double>(grace_s), [&] { return I.active.load() == 0; });

@@ -292,7 +292,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
   std::uint64_t tried = 0;
   int attempts = 0;
   bool first = true;
-  std::optional<http::Pool::Full> last_5xx;  // an upstream 502/503 kept for the final reply
+  std::optional<http::Pool::Full> last_5xx;  // an upstream answer we retried (5xx, 429) kept for the final reply
   std::string last_error = "no replica in service";
   int last_status = 503;
   thread_local std::mt19937_64 jitter_rng{std::hash<std::thread::id>{}(std::this_thread::get_id())};
@@ -383,7 +383,10 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     const int status = up.status();
     if (status >= 500) note_failure(pick, "status_" + std::to_string(status), true);
     else note_success(pick);
-    if ((status == 502 || status == 503) && attempts <= cfg.max_retries) {
+    // Retried before the first byte on another replica: a replica that is down or draining
+    // (502/503); for generation also a failed engine step (500) and a full queue (429, not a fault).
+    const bool retryable = status == 502 || status == 503 || (routed && (status == 500 || status == 429));
+    if (retryable && attempts <= cfg.max_retries) {
       http::Pool::Full f;
       f.status = status;
       f.headers = up.headers();

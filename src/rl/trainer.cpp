@@ -400,16 +400,39 @@ int Trainer::run() {
   run_start_ = now_s();
   last_step_end_ = now_s();
   double sync_wait_carry = 0, ckpt_carry = 0;
+  // A step that fails part way: before the optimizer moved, it never happened (its number is not
+  // used, its groups go back to the front of the queue, so the checkpoint written on the way out
+  // holds them); after, it is complete and recorded. Either way the checkpoint is consistent.
+  std::vector<Group> step_groups;
+  bool in_step = false;
+  std::int64_t opt_steps_before = 0;
+  auto settle_partial_step = [&] {
+    if (!in_step) return;
+    in_step = false;
+    if (opt_->steps() == opt_steps_before) {
+      LS_LOG_WARN("trainer", "step {} did not complete: its {} groups go back to the queue", step_, step_groups.size());
+      --step_;
+      --steps_this_run_;
+      pipe_->unpop(std::move(step_groups));
+    } else {
+      pipe_->record_trained(step_groups);
+    }
+    step_groups.clear();
+  };
   try {
     while (step_ < cfg_.max_steps) {
       event_step_ = step_ + 1;
       double wait_s = 0;
-      std::vector<Group> groups = assemble_step(wait_s);
-      if (groups.empty()) break;  // data exhausted
+      step_groups = assemble_step(wait_s);
+      if (step_groups.empty()) break;  // data exhausted
+      std::vector<Group>& groups = step_groups;
       json m;
+      opt_steps_before = opt_->steps();
+      in_step = true;
       ++step_;
       ++steps_this_run_;
       train_step(groups, m);
+      in_step = false;
       pipe_->record_trained(groups);
       double sync_wait = sync_wait_carry;
       sync_wait_carry = 0;
@@ -498,6 +521,7 @@ int Trainer::run() {
     return 0;
   } catch (const Preempted&) {
     if (tty_) std::fprintf(stderr, "\n");
+    settle_partial_step();
     LS_LOG_WARN("trainer", "preempted (signal): writing a checkpoint at step {}", step_);
     shutdown_pipeline();
     if (!cfg_.checkpoint.save_on_sigterm) return 143;
@@ -511,6 +535,11 @@ int Trainer::run() {
   } catch (const std::exception& e) {
     if (tty_) std::fprintf(stderr, "\n");
     LS_LOG_ERROR("trainer", "{}", e.what());
+    try {
+      settle_partial_step();
+    } catch (const std::exception& e2) {
+      LS_LOG_ERROR("trainer", "putting the failed step's groups back failed: {}", e2.what());
+    }
     shutdown_pipeline();
     try {
       write_checkpoint_now(false);

@@ -127,6 +127,9 @@ class Trainer {
   void run_sync(SyncJob& job);
   void load_adapter(const std::string& name, const fs::path& dir);
   bool unload_adapter(const std::string& name);
+  // Unloads the loaded versions beyond the staleness window of `sync_index` (not `keep`) once no
+  // request uses them, waiting up to `drain_wait_s` for the cancelled ones to end.
+  void retire_versions(std::int64_t keep, std::int64_t sync_index, double drain_wait_s);
   void start_sync(std::int64_t step, const model::LoraAdapter* snapshot = nullptr);
   double wait_sync_idle();
   // ---- training

@@ -3,6 +3,9 @@
 
 namespace lorasync::rl::detail {
 
+// How long the sync waits for the cancelled requests of a version leaving the window to end.
+constexpr double kUnloadDrainWait = 10;
+
 bool Trainer::unload_adapter(const std::string& name) {
   auto& c = sync_client_ ? *sync_client_ : *client_;
   auto r = c.request("POST", "/v1/unload_lora_adapter", json{{"lora_name", name}}.dump(), 60, true);
@@ -44,6 +47,9 @@ void Trainer::run_sync(SyncJob& job) {
   d.publish_s = p.publish_s;
   VersionInfo vi{job.version, job.sync_index, p.name, p.adapter_sha256};
   pipe_->add_version(vi);
+  // A version left over from the previous sync (its cancelled requests had not ended then) goes
+  // before the load: with --max-loras = max_staleness + 2 its slot is the one the load needs.
+  retire_versions(job.version, job.sync_index - 1, 0);
   const double l0 = now_s();
   load_adapter(p.name, p.dir);
   d.load_s = now_s() - l0;
@@ -52,34 +58,41 @@ void Trainer::run_sync(SyncJob& job) {
     loaded_.insert(job.version);
   }
   pipe_->switch_to(job.version);
-  // Retention: delete the directories unloaded at the previous sync, then unload drained versions
-  // beyond the window (their directories go at the next sync).
+  // Retention: delete the directories unloaded at the previous sync, then unload the versions that
+  // left the window (the switch has just cancelled their requests; their directories go at the
+  // next sync).
   std::vector<std::int64_t> deleting;
   {
     std::lock_guard lk(sync_mu_);
     deleting.swap(to_delete_);
   }
   for (auto v : deleting) publisher_->remove_version(v);
+  retire_versions(job.version, job.sync_index, kUnloadDrainWait);
+  d.total_s = now_s() - t0;
+  std::lock_guard lk(sync_mu_);
+  sync_done_.push_back(d);
+}
+
+void Trainer::retire_versions(std::int64_t keep, std::int64_t sync_index, double drain_wait_s) {
   std::set<std::int64_t> loaded;
   {
     std::lock_guard lk(sync_mu_);
     loaded = loaded_;
   }
+  const double deadline = now_s() + drain_wait_s;
   for (auto v : loaded) {
-    if (v == job.version) continue;
+    if (v == keep) continue;
     auto info = pipe_->version(v);
     const std::int64_t k = info ? info->sync_index : 0;
-    if (job.sync_index - k <= cfg_.async.max_staleness) continue;
-    if (pipe_->in_flight_uses(v)) continue;  // tried again at the next sync
+    if (sync_index - k <= cfg_.async.max_staleness) continue;
+    while (pipe_->in_flight_uses(v) && now_s() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (pipe_->in_flight_uses(v)) continue;  // tried again before the next load
     if (unload_adapter(publisher_->name_of(v))) {
       std::lock_guard lk(sync_mu_);
       loaded_.erase(v);
       to_delete_.push_back(v);
     }
   }
-  d.total_s = now_s() - t0;
-  std::lock_guard lk(sync_mu_);
-  sync_done_.push_back(d);
 }
 
 void Trainer::sync_thread_main() {

@@ -28,6 +28,7 @@
 #include "core/tokenizer/tokenizer.h"
 #include "engine/engine.h"
 #include "http/server.h"
+#include "server/offload.h"
 #include "server/openai.h"
 #include "util/error.h"
 #include "util/files.h"
@@ -44,141 +45,42 @@ using http::Task;
 
 namespace {
 
-// One thread for blocking work (file reads, waits on engine futures) so io threads never block.
-class BlockingPool {
- public:
-  BlockingPool() : t_([this] { run(); }) {}
-  ~BlockingPool() {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    t_.join();
-  }
-  void post(std::function<void()> f) {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      q_.push_back(std::move(f));
-    }
-    cv_.notify_one();
-  }
+// Bodies up to this size are parsed and tokenized on the io thread; larger ones on the pool.
+constexpr std::size_t kInlineParseBytes = 256 << 10;
 
- private:
-  void run() {
-    for (;;) {
-      std::function<void()> f;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || !q_.empty(); });
-        if (q_.empty()) return;
-        f = std::move(q_.front());
-        q_.pop_front();
-      }
-      f();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> q_;
-  bool stop_ = false;
-  std::thread t_;
-};
-
-// Wakes a coroutine from another thread: post(cancel) onto its strand.
-struct Waker {
-  explicit Waker(net::any_io_executor ex) : timer(ex) { timer.expires_at(net::steady_timer::time_point::max()); }
-  net::steady_timer timer;
-  Task<void> wait() {
-    boost::system::error_code ec;
-    timer.expires_at(net::steady_timer::time_point::max());
-    co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
-  }
-};
-
-struct Output {
-  std::size_t prompt_index;
-  std::vector<engine::ChoiceDelta> deltas;
-  engine::RequestUsage usage;
-  bool done;
-};
-
-struct Channel : std::enable_shared_from_this<Channel> {
-  explicit Channel(net::any_io_executor ex) : waker(ex) {}
-  std::mutex mu;
-  std::deque<Output> items;
-  Waker waker;
-  void push(Output o) {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      items.push_back(std::move(o));
-    }
-    // The wake-up holds the channel: it may run after the request's coroutine has ended.
-    wake();
-  }
-  void wake() {
-    net::post(waker.timer.get_executor(), [self = shared_from_this()] { self->waker.timer.cancel(); });
-  }
-  bool empty() {
-    std::lock_guard<std::mutex> lk(mu);
-    return items.empty();
-  }
-  bool pop(Output& o) {
-    std::lock_guard<std::mutex> lk(mu);
-    if (items.empty()) return false;
-    o = std::move(items.front());
-    items.pop_front();
-    return true;
-  }
-};
-
-class ChannelSink : public engine::RequestSink {
- public:
-  ChannelSink(std::shared_ptr<Channel> ch, std::size_t idx) : ch_(std::move(ch)), idx_(idx) {}
-  void on_output(std::vector<engine::ChoiceDelta> deltas, const engine::RequestUsage& usage, bool done) override {
-    ch_->push({idx_, std::move(deltas), usage, done});
-  }
-
- private:
-  std::shared_ptr<Channel> ch_;
-  std::size_t idx_;
-};
-
-// Runs f on the blocking pool; finish_offload() resumes the coroutine with its result. Split in a
-// plain function and a coroutine taking only a shared_ptr: g++ 12 mishandles temporaries (such as a
-// lambda converted to std::function) inside co_await expressions.
-template <typename T>
-struct OffloadState {
-  explicit OffloadState(net::any_io_executor e) : waker(e) {}
-  Waker waker;
-  std::optional<T> value;
-  std::exception_ptr error;
-  bool done = false;  // strand only
-};
-
-template <typename T>
-std::shared_ptr<OffloadState<T>> start_offload(BlockingPool& pool, net::any_io_executor ex,
-                                               std::function<T()> f) {
-  auto st = std::make_shared<OffloadState<T>>(ex);
-  pool.post([st, f = std::move(f)] {
+// LORASYNC_FAULTS (tests and drills only): comma-separated `step_fail=FROM:COUNT` (steps FROM ..
+// FROM+COUNT-1 throw) and `step_hang=STEP:SECONDS` (step STEP sleeps). A bad spec fails the start.
+std::function<void(std::int64_t)> engine_faults(const std::string& spec) {
+  struct Fault {
+    bool hang;
+    std::int64_t from, count;
+    double seconds;
+  };
+  std::vector<Fault> faults;
+  for (const auto& item : split(spec, ',')) {
+    auto eq = item.find('=');
+    auto colon = item.find(':');
+    if (eq == std::string::npos || colon == std::string::npos || colon < eq)
+      throw_invalid("LORASYNC_FAULTS: '{}' is not step_fail=FROM:COUNT or step_hang=STEP:SECONDS", item);
+    const std::string kind = item.substr(0, eq);
     try {
-      st->value.emplace(f());
-    } catch (...) {
-      st->error = std::current_exception();
+      const auto a = std::stoll(item.substr(eq + 1, colon - eq - 1));
+      const auto b = std::stod(item.substr(colon + 1));
+      if (kind == "step_fail") faults.push_back({false, a, static_cast<std::int64_t>(b), 0});
+      else if (kind == "step_hang") faults.push_back({true, a, 1, b});
+      else throw_invalid("LORASYNC_FAULTS: unknown fault '{}' (step_fail, step_hang)", kind);
+    } catch (const std::logic_error&) {
+      throw_invalid("LORASYNC_FAULTS: '{}' does not hold numbers", item);
     }
-    net::post(st->waker.timer.get_executor(), [st] {
-      st->done = true;
-      st->waker.timer.cancel();
-    });
-  });
-  return st;
-}
-
-template <typename T>
-Task<T> finish_offload(std::shared_ptr<OffloadState<T>> st) {
-  while (!st->done) co_await st->waker.wait();
-  if (st->error) std::rethrow_exception(st->error);
-  co_return std::move(*st->value);
+  }
+  LS_LOG_WARN("server", "fault injection on: LORASYNC_FAULTS={}", spec);
+  return [faults](std::int64_t step) {
+    for (const auto& f : faults) {
+      if (step < f.from || step >= f.from + f.count) continue;
+      if (f.hang) std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
+      else throw std::runtime_error(fmt::format("injected fault at step {}", step));
+    }
+  };
 }
 
 struct MethodNotAllowed {
@@ -340,6 +242,10 @@ std::string ApiServer::Impl::metrics() const {
   counter("adapter_loads_total", "adapter loads", static_cast<double>(s.adapter_loads));
   counter("adapter_load_failures_total", "adapter loads refused", static_cast<double>(s.adapter_load_failures));
   counter("adapter_unloads_total", "adapter unloads", static_cast<double>(s.adapter_unloads));
+  counter("engine_step_failures_total", "engine steps that failed (their requests answered 500)", static_cast<double>(s.step_failures));
+  counter("engine_command_failures_total", "engine commands that failed", static_cast<double>(s.command_failures));
+  counter("requests_rejected_queue_full_total", "requests answered 429 (--max-queued-seqs)", static_cast<double>(s.rejected_queue_full));
+  gauge("engine_healthy", "1 when /health answers 200", engine->health().healthy ? 1.0 : 0.0);
   o += "# HELP lorasync_server_adapter_requests_total requests per model (base or adapter)\n"
        "# TYPE lorasync_server_adapter_requests_total counter\n";
   for (const auto& [m, n] : s.requests_by_model)
@@ -367,7 +273,20 @@ std::string ApiServer::Impl::metrics() const {
 
 Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter& w, bool chat) {
   const std::string route = chat ? "/v1/chat/completions" : "/v1/completions";
-  ParsedCompletion pc = chat ? parse_chat(req.body, *tokenizer) : parse_completion(req.body, *tokenizer);
+  ParsedCompletion pc;
+  if (req.body.size() <= kInlineParseBytes) {
+    pc = chat ? parse_chat(req.body, *tokenizer) : parse_completion(req.body, *tokenizer);
+  } else {
+    // Tokenizing megabytes takes long enough to starve this io thread's other connections
+    // (health probes included): parse on the blocking pool.
+    const std::string* body = &req.body;
+    const tok::Tokenizer* tk = tokenizer.get();
+    std::function<ParsedCompletion()> job = [body, tk, chat] {
+      return chat ? parse_chat(*body, *tk) : parse_completion(*body, *tk);
+    };
+    auto pending = start_offload<ParsedCompletion>(*blocking, co_await net::this_coro::executor, std::move(job));
+    pc = co_await finish_offload(pending);
+  }
   auto info = engine->find_adapter(pc.model);
   if (!info)
     throw Error(ErrorKind::kNotFound, fmt::format("The model `{}` does not exist.", pc.model), "model");
@@ -390,6 +309,22 @@ Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter
   auto ex = co_await net::this_coro::executor;
   auto ch = std::make_shared<Channel>(ex);
   std::vector<std::string> sub_ids;
+  // Admission: a full queue answers 429 with Retry-After (the proxy and OpenAI clients back off).
+  bool busy = false;
+  std::string busy_msg;
+  try {
+    engine->check_capacity(static_cast<std::int64_t>(pc.prompts.size()) * pc.params.n);
+  } catch (const Error& e) {
+    busy = true;
+    busy_msg = e.what();
+  }
+  if (busy) {
+    auto r = http::error_response(429, busy_msg);
+    r.headers.add("Retry-After", "1");
+    count(route, 429);
+    co_await w.send(std::move(r));
+    co_return;
+  }
   // Validate every sub-request before submitting any, so a bad prompt fails the whole request.
   std::vector<engine::RequestSpec> specs;
   for (std::size_t i = 0; i < pc.prompts.size(); ++i) {
@@ -441,8 +376,11 @@ Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter
     co_return;
   }
   if (!state.error().empty()) {
-    count(route, 404);
-    co_await w.send(http::error_response(404, state.error(), "model"));
+    // The engine failed (500: the proxy retries elsewhere) or the model vanished mid-request (404).
+    const int status = state.error_internal() ? 500 : 404;
+    count(route, status);
+    if (state.error_internal()) co_await w.send(http::error_response(500, state.error(), "", "internal_server_error"));
+    else co_await w.send(http::error_response(404, state.error(), "model"));
     co_return;
   }
   count(route, 200);
@@ -471,7 +409,10 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
     }
     http::Response r;
     if (path == "/health") {
-      r = engine->alive() ? http::Response{200, {}, ""} : http::error_response(503, "engine is not running");
+      // 503 while the engine is stopped, stuck in a step or failing every step (the proxy's
+      // health checks take the replica out of service; it comes back when this answers 200).
+      const auto h = engine->health();
+      r = h.healthy ? http::Response{200, {}, ""} : http::error_response(503, h.reason);
     } else if (path == "/v1/models") {
       r = models();
     } else if (path == "/server_info") {
@@ -517,8 +458,11 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       if (j.contains("load_inplace") && !j["load_inplace"].is_boolean() && !j["load_inplace"].is_null())
         throw Error(ErrorKind::kInvalidInput, "load_inplace must be a boolean", "load_inplace");
       std::function<engine::LoadOutcome()> job = [this, name, lpath] {
-        auto a = engine::read_adapter(name, lpath, opt.allowed_adapter_roots, model->config(),
-                                      opt.max_lora_rank, model->device());
+        engine::AdapterLoadPolicy policy;
+        policy.allowed_roots = opt.allowed_adapter_roots;
+        policy.max_rank = opt.max_lora_rank;
+        policy.base_sha256 = base_sha256;
+        auto a = engine::read_adapter(name, lpath, policy, model->config(), model->device());
         return engine->install_adapter(std::move(a)).get();
       };
       auto pending = start_offload<engine::LoadOutcome>(*blocking, co_await net::this_coro::executor, std::move(job));
@@ -614,8 +558,13 @@ ApiServer::ApiServer(ServeOptions o) : impl_(std::make_unique<Impl>()) {
   for (auto id : I.model->config().eos_token_ids) eo.eos_ids.push_back(static_cast<std::int32_t>(id));
   if (auto e = I.tokenizer->special_tokens().eos)
     if (std::find(eo.eos_ids.begin(), eo.eos_ids.end(), *e) == eo.eos_ids.end()) eo.eos_ids.push_back(*e);
+  if (I.opt.max_queued_seqs < 0) throw_invalid("--max-queued-seqs must be >= 0, got {}", I.opt.max_queued_seqs);
+  if (!(I.opt.step_timeout_s > 0)) throw_invalid("--step-timeout must be positive, got {}", I.opt.step_timeout_s);
+  eo.max_queued_seqs = I.opt.max_queued_seqs > 0 ? I.opt.max_queued_seqs : std::max<std::int64_t>(4096, 16 * I.opt.max_num_seqs);
+  eo.step_timeout_s = I.opt.step_timeout_s;
+  if (const char* f = std::getenv("LORASYNC_FAULTS"); f && *f) eo.before_forward = engine_faults(f);
   I.engine = std::make_unique<engine::Engine>(I.model, I.tokenizer, eo);
-  I.blocking = std::make_unique<BlockingPool>();
+  I.blocking = std::make_unique<BlockingPool>(4);
   http::ServerOptions so;
   so.host = I.opt.host;
   so.port = I.opt.port;
@@ -640,8 +589,11 @@ std::uint16_t ApiServer::port() const { return impl_->http->port(); }
 void ApiServer::stop(double grace_s) {
   if (impl_->stopped.exchange(true)) return;
   if (impl_->http) impl_->http->stop(grace_s);
-  impl_->engine.reset();  // aborts what is left; wake-ups go to the stopped io_context
+  // Blocking jobs (adapter reads, waits on engine futures) finish before the engine goes: a load
+  // still running after the grace period must not find the engine gone. Each is bounded (a load
+  // reads regular files of capped size under a deadline), so the join is bounded too.
   impl_->blocking.reset();
+  impl_->engine.reset();  // aborts what is left; wake-ups go to the stopped io_context
   impl_->http.reset();
 }
 

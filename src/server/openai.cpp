@@ -298,7 +298,10 @@ std::string CompletionState::add(std::size_t prompt_index, const std::vector<eng
       c.text_len += static_cast<std::int64_t>(t.text.size());
     }
     c.text += d.text;
-    if (d.finish == engine::FinishReason::kError && error_.empty()) error_ = d.error;
+    if (d.finish == engine::FinishReason::kError && error_.empty()) {
+      error_ = d.error;
+      error_internal_ = d.internal;
+    }
     if (d.finish != engine::FinishReason::kNone) c.finish = engine::finish_reason_name(d.finish);
     if (req_.stream && (!d.tokens.empty() || !d.text.empty() || d.finish != engine::FinishReason::kNone))
       events += "data: " + chunk_json(ci, d, first_token) + "\n\n";

@@ -63,6 +63,8 @@ class CompletionState {
   std::string stream_tail() const;
   // First error reported by the engine (e.g. the model vanished), empty if none.
   const std::string& error() const { return error_; }
+  // The error is the engine's failure (answer 500), not the request's (the model vanished: 404).
+  bool error_internal() const { return error_internal_; }
 
  private:
   struct Choice {
@@ -89,6 +91,7 @@ class CompletionState {
   std::vector<engine::RequestUsage> usage_;
   std::vector<bool> done_;
   std::vector<std::vector<std::int32_t>> prompts_;
+  bool error_internal_ = false;
   std::string error_;
   const tok::Tokenizer* tokenizer_ = nullptr;
 };

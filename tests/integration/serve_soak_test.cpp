@@ -48,7 +48,7 @@ TEST(ServeSoak, ConcurrentClientsWithAdapterChurn) {
     for (std::int64_t l = 0; l < a.n_layers(); ++l)
       for (auto m : lc.targets) a.B(l, m).normal_(0, 0.1, gen);
     a.save_peft(dir.path() / name);
-    engine::write_adapter_manifest(dir.path() / name, name, 1, 0, "tiny", "x");
+    engine::write_adapter_manifest(dir.path() / name, name, 1, 0, "tiny", "");
     return (dir.path() / name).string();
   };
   testing::ChildProcess srv({LORASYNC_BINARY, "serve", "--model", model.string(), "--served-model-name", "tiny",

@@ -3,6 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <thread>
@@ -49,7 +53,7 @@ struct Fixture {
       for (auto m : lc.targets) a.B(l, m).normal_(0, 0.3, gen);
     fs::path d = adapters / name;
     a.save_peft(d);
-    if (manifest) engine::write_adapter_manifest(d, name, 1, 0, "tiny", "x");
+    if (manifest) engine::write_adapter_manifest(d, name, 1, 0, "tiny", "");
     return d;
   }
 
@@ -406,6 +410,156 @@ TEST(ServeAuth, ApiKeyAndGracefulShutdown) {
   t.join();
   EXPECT_EQ(longr.status, 200) << longr.body;
   EXPECT_EQ(json::parse(longr.body)["usage"]["completion_tokens"], 200);
+  EXPECT_EQ(fx.proc->wait_exit(30), std::optional<int>(0)) << fx.proc->stderr_text();
+}
+
+// A raw keep-alive connection: several requests, each answer read by its Content-Length.
+class KeepAlive {
+ public:
+  explicit KeepAlive(std::uint16_t port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    timeval tv{60, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect failed");
+  }
+  ~KeepAlive() { ::close(fd_); }
+  // Sends a GET and returns the status line and headers and body ("" + status 0 when the
+  // connection ended without an answer).
+  testing::HttpResult get(const std::string& path) {
+    std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    if (::send(fd_, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) return {};
+    testing::HttpResult r;
+    std::size_t hdr_end;
+    while ((hdr_end = buf_.find("\r\n\r\n")) == std::string::npos)
+      if (!fill()) return r;
+    const std::string head = buf_.substr(0, hdr_end);
+    r.status = std::atoi(head.c_str() + head.find(' ') + 1);
+    for (std::size_t p = head.find("\r\n"); p != std::string::npos;) {
+      auto next = head.find("\r\n", p + 2);
+      auto line = head.substr(p + 2, next == std::string::npos ? std::string::npos : next - p - 2);
+      if (auto c = line.find(':'); c != std::string::npos)
+        r.headers[testing::lower(line.substr(0, c))] = line.substr(line.find_first_not_of(' ', c + 1));
+      p = next;
+    }
+    const std::size_t len = std::stoul(r.headers["content-length"]);
+    while (buf_.size() < hdr_end + 4 + len)
+      if (!fill()) return {};
+    r.body = buf_.substr(hdr_end + 4, len);
+    buf_.erase(0, hdr_end + 4 + len);
+    return r;
+  }
+
+ private:
+  bool fill() {
+    char b[4096];
+    ssize_t n = ::recv(fd_, b, sizeof b, 0);
+    if (n <= 0) return false;
+    buf_.append(b, static_cast<std::size_t>(n));
+    return true;
+  }
+  int fd_;
+  std::string buf_;
+};
+
+TEST(ServeFaults, EngineFailuresAnswer500AndHealthFollowsTheEngine) {
+  Fixture fx;
+  // Step 0 hangs for 2 s (past --step-timeout 0.5); steps 1-3 fail; step 4 on are normal.
+  fx.start({"--step-timeout", "0.5"}, {"LORASYNC_FAULTS=step_hang=0:2,step_fail=1:3"});
+  const json one = {{"model", "tiny"}, {"prompt", {1, 2, 3}}, {"max_tokens", 1}};
+  testing::HttpResult slow;
+  std::thread t([&] { slow = fx.post("/v1/completions", one); });
+  testing::HttpResult h;
+  for (int i = 0; i < 400 && (h = fx.get("/health")).status == 200; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(h.status, 503);
+  EXPECT_NE(h.body.find("running for"), std::string::npos) << h.body;
+  t.join();
+  EXPECT_EQ(slow.status, 200) << slow.body;
+  EXPECT_EQ(fx.get("/health").status, 200) << "the step ended";
+  for (int i = 0; i < 3; ++i) {
+    auto r = fx.post("/v1/completions", one);
+    EXPECT_EQ(r.status, 500) << r.body;
+    EXPECT_NE(r.body.find("injected fault at step"), std::string::npos) << r.body;
+    EXPECT_NE(r.body.find("internal_server_error"), std::string::npos) << r.body;
+  }
+  h = fx.get("/health");
+  EXPECT_EQ(h.status, 503) << "three failed steps in a row";
+  EXPECT_NE(h.body.find("engine steps failed"), std::string::npos) << h.body;
+  bool counted = false;  // (stats are published just after the outputs)
+  for (int i = 0; i < 200 && !counted; ++i) {
+    counted = fx.get("/metrics").body.find("lorasync_server_engine_step_failures_total 3\n") != std::string::npos;
+    if (!counted) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(counted);
+  auto ok = fx.post("/v1/completions", one);
+  EXPECT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(fx.get("/health").status, 200) << "a good step ends the failure streak";
+  EXPECT_FALSE(fx.proc->wait_exit(0).has_value()) << "the replica still runs";
+}
+
+TEST(ServeFaults, AFullQueueAnswers429WithRetryAfter) {
+  Fixture fx;
+  fx.start({"--max-queued-seqs", "2"});
+  ASSERT_EQ(fx.post("/pause?mode=keep", json::object()).status, 200);
+  testing::HttpResult first;
+  std::thread t([&] {
+    first = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 2}}, {"max_tokens", 2}, {"n", 2}});
+  });
+  // The first request is queued (paused engine) once the waiting gauge shows it.
+  for (int i = 0; i < 400; ++i) {
+    if (fx.get("/metrics").body.find("lorasync_server_requests_waiting 1\n") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  auto r = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {3}}, {"max_tokens", 1}});
+  EXPECT_EQ(r.status, 429) << r.body;
+  EXPECT_EQ(r.headers["retry-after"], "1");
+  EXPECT_NE(r.body.find("--max-queued-seqs"), std::string::npos) << r.body;
+  ASSERT_EQ(fx.post("/resume", json::object()).status, 200);
+  t.join();
+  EXPECT_EQ(first.status, 200) << first.body;
+  EXPECT_EQ(fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {3}}, {"max_tokens", 1}}).status, 200);
+}
+
+TEST(ServeFaults, OversizedBodiesGetTheir413AndShutdownAnswersKeepAliveRequests) {
+  Fixture fx;
+  fx.start({"--max-body-bytes", "65536"});
+  // 8 MiB against a 64 KiB limit: the client is still sending when the server answers; the answer
+  // must survive (no reset from closing with unread input).
+  std::string big(8u << 20, ' ');
+  big.front() = '{';
+  big.back() = '}';
+  auto r = fx.post_raw("/v1/completions", big);
+  EXPECT_EQ(r.status, 413) << r.body;
+  EXPECT_NE(r.body.find("65536"), std::string::npos) << r.body;
+  // Shutdown: a keep-alive connection that asks again during the grace period gets a 503 with
+  // Connection: close, not silence.
+  KeepAlive ka(fx.port);
+  EXPECT_EQ(ka.get("/health").status, 200);
+  testing::HttpResult longr;
+  std::thread t([&] {
+    longr = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 2}}, {"max_tokens", 400}, {"ignore_eos", true}});
+  });
+  for (int i = 0; i < 400; ++i) {
+    if (fx.get("/metrics").body.find("lorasync_server_requests_running 1\n") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  fx.proc->kill(SIGTERM);
+  // The listener closes at once; probe the keep-alive connection until the server is stopping.
+  testing::HttpResult late;
+  for (int i = 0; i < 200; ++i) {
+    late = ka.get("/health");
+    if (late.status != 200) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(late.status, 503) << late.body;
+  EXPECT_EQ(testing::lower(late.headers["connection"]), "close");
+  EXPECT_EQ(late.headers["retry-after"], "1");
+  t.join();
+  EXPECT_EQ(longr.status, 200) << "the in-flight request still finishes";
   EXPECT_EQ(fx.proc->wait_exit(30), std::optional<int>(0)) << fx.proc->stderr_text();
 }
 

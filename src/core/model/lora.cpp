@@ -264,13 +264,29 @@ void LoraAdapter::save_peft(const std::filesystem::path& dir, bool atomic) const
 LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const Qwen2Config& model,
                                    c10::Device device, std::int64_t max_rank) {
   auto cfg_path = dir / "adapter_config.json";
-  LoraAdapter a;
-  a.cfg_ = LoraConfig::from_peft_json(read_file(cfg_path), cfg_path.string());
-  if (max_rank > 0 && a.cfg_.rank > max_rank)
-    throw_invalid("{}: LoRA rank {} is above this server's max_lora_rank {}", dir.string(),
-                  a.cfg_.rank, max_rank);
+  const std::string cfg = read_file(cfg_path);
   auto st_path = dir / "adapter_model.safetensors";
   io::SafetensorsFile st(st_path);
+  return from_parts(cfg, cfg_path.string(), st, st_path.string(), dir.string(), model, device, max_rank);
+}
+
+LoraAdapter LoraAdapter::from_peft(std::string_view config_json, std::span<const std::uint8_t> safetensors,
+                                   const std::string& label, const Qwen2Config& model, c10::Device device,
+                                   std::int64_t max_rank) {
+  auto st = io::SafetensorsFile::from_bytes(safetensors, label + "/adapter_model.safetensors");
+  return from_parts(config_json, label + "/adapter_config.json", *st, label + "/adapter_model.safetensors",
+                    label, model, device, max_rank);
+}
+
+LoraAdapter LoraAdapter::from_parts(std::string_view config_json, const std::string& cfg_label,
+                                    const io::SafetensorsFile& st, const std::string& st_label,
+                                    const std::string& dir_label, const Qwen2Config& model, c10::Device device,
+                                    std::int64_t max_rank) {
+  LoraAdapter a;
+  a.cfg_ = LoraConfig::from_peft_json(std::string(config_json), cfg_label);
+  if (max_rank > 0 && a.cfg_.rank > max_rank)
+    throw_invalid("{}: LoRA rank {} is above this server's max_lora_rank {}", dir_label, a.cfg_.rank, max_rank);
+  const std::string& st_path = st_label;
   const auto L = model.num_hidden_layers;
   a.a_.assign(static_cast<std::size_t>(L), {});
   a.b_.assign(static_cast<std::size_t>(L), {});
@@ -282,10 +298,10 @@ LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const Qwen2
       alt.replace(alt.rfind(".weight"), 7, ".default.weight");
       v = st.find(alt);
     }
-    if (v == nullptr) throw_invalid("{}: tensor '{}' is missing", st_path.string(), key);
+    if (v == nullptr) throw_invalid("{}: tensor '{}' is missing", st_path, key);
     used.insert(v->name);
     if (v->shape != shape)
-      throw_invalid("{}: tensor '{}' has shape [{}], the base model needs [{}, {}]", st_path.string(),
+      throw_invalid("{}: tensor '{}' has shape [{}], the base model needs [{}, {}]", st_path,
                     v->name, fmt::join(v->shape, ", "), shape[0], shape[1]);
     c10::ScalarType st_type;
     switch (v->dtype) {
@@ -294,14 +310,14 @@ LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const Qwen2
       case io::DType::kBF16: st_type = at::kBFloat16; break;
       case io::DType::kF64: st_type = at::kDouble; break;
       default:
-        throw_invalid("{}: tensor '{}' has dtype {}, expected a float type", st_path.string(),
+        throw_invalid("{}: tensor '{}' has dtype {}, expected a float type", st_path,
                       v->name, io::dtype_name(v->dtype));
     }
     auto t = at::from_blob(const_cast<std::uint8_t*>(v->data), v->shape,
                            at::TensorOptions().dtype(st_type));
     auto f = t.to(at::kFloat).clone();
     if (!at::isfinite(f).all().item<bool>())
-      throw_invalid("{}: tensor '{}' holds NaN or infinite values", st_path.string(), v->name);
+      throw_invalid("{}: tensor '{}' holds NaN or infinite values", st_path, v->name);
     return f.to(device);
   };
   for (std::int64_t l = 0; l < L; ++l)
@@ -315,7 +331,7 @@ LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const Qwen2
       throw_invalid(
           "{}: tensor '{}' does not belong to a targeted module of this base model ({} layers, "
           "targets from adapter_config.json)",
-          st_path.string(), t.name, L);
+          st_path, t.name, L);
   return a;
 }
 

@@ -23,9 +23,14 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
+
+namespace lorasync::io {
+class SafetensorsFile;
+}
 
 #include "core/model/qwen2_config.h"
 
@@ -65,6 +70,10 @@ class LoraAdapter {
   // Loads a PEFT directory, validated against `model`. max_rank > 0 refuses larger ranks.
   static LoraAdapter load_peft(const std::filesystem::path& dir, const Qwen2Config& model,
                                c10::Device device, std::int64_t max_rank = 0);
+  // The same from bytes already read (and hashed) by the caller; `label` names them in errors.
+  static LoraAdapter from_peft(std::string_view config_json, std::span<const std::uint8_t> safetensors,
+                               const std::string& label, const Qwen2Config& model, c10::Device device,
+                               std::int64_t max_rank = 0);
   // Writes adapter_config.json + adapter_model.safetensors (fp32). atomic=false writes in place
   // with fsync (for a staging directory that is renamed afterwards).
   void save_peft(const std::filesystem::path& dir, bool atomic = true) const;
@@ -84,6 +93,10 @@ class LoraAdapter {
   LoraAdapter to(c10::Device device) const;
 
  private:
+  static LoraAdapter from_parts(std::string_view config_json, const std::string& cfg_label,
+                                const io::SafetensorsFile& st, const std::string& st_label,
+                                const std::string& dir_label, const Qwen2Config& model, c10::Device device,
+                                std::int64_t max_rank);
   LoraConfig cfg_;
   std::vector<std::array<at::Tensor, kNumLoraModules>> a_, b_;
 };

@@ -1,8 +1,11 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <atomic>
 #include <condition_variable>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -33,6 +36,7 @@ class Collector : public RequestSink {
       if (d.finish != FinishReason::kNone) {
         c.finish = d.finish;
         c.error = d.error;
+        c.internal = d.internal;
       }
     }
     usage_ = usage;
@@ -44,6 +48,7 @@ class Collector : public RequestSink {
     std::vector<float> logprobs;
     std::string text, error;
     FinishReason finish = FinishReason::kNone;
+    bool internal = false;
   };
   void wait() {
     std::unique_lock<std::mutex> lk(mu_);
@@ -437,6 +442,147 @@ TEST(Engine, ValidationNamesTheField) {
   expect_param(s, "temperature", "-1");
 }
 
+// A sink that fails on every delivery (a broken connection bridge): its request must end without
+// taking the engine down.
+class ThrowingSink : public RequestSink {
+ public:
+  void on_output(std::vector<ChoiceDelta>, const RequestUsage&, bool) override {
+    ++calls;
+    throw std::runtime_error("sink broke");
+  }
+  std::atomic<int> calls{0};
+};
+
+TEST(EngineFaults, FailedStepsEndTheirRequestsAsInternalErrorsAndHealthFollows) {
+  auto opts = small_opts();
+  std::atomic<std::int64_t> fail_from{std::numeric_limits<std::int64_t>::max()};
+  opts.before_forward = [&](std::int64_t step) {
+    if (step >= fail_from) throw std::runtime_error("boom");
+  };
+  opts.max_step_failures = 2;
+  Engine e(env().model, env().tokenizer, opts);
+  EXPECT_TRUE(e.health().healthy);
+  // Step 0 prefills and forks; step 1 decodes the three sequences of one group and fails: ending
+  // the group at its first sequence frees the other two, which the failure path must not read.
+  fail_from = 1;
+  SamplingParams p;
+  p.max_tokens = 4;
+  p.n = 3;
+  auto a = run(e, "base", prompt_of(3, 40), p, "fa");
+  a->wait();
+  ASSERT_EQ(a->n_choices(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(a->choice(i).finish, FinishReason::kError);
+    EXPECT_TRUE(a->choice(i).internal);
+    EXPECT_NE(a->choice(i).error.find("engine error: boom"), std::string::npos) << a->choice(i).error;
+  }
+  EXPECT_TRUE(e.alive());
+  EXPECT_TRUE(e.health().healthy) << "one failure is not a pattern";
+  // Two requests in one failing step: ending one must not read the other's freed sequences.
+  p.n = 2;
+  fail_from = 0;
+  e.pause(PauseMode::kKeep);
+  auto b = run(e, "base", prompt_of(4, 20), p, "fb");
+  auto c = run(e, "base", prompt_of(5, 20), p, "fc");
+  e.resume();
+  b->wait();
+  c->wait();
+  EXPECT_EQ(b->choice(0).finish, FinishReason::kError);
+  EXPECT_EQ(c->choice(1).finish, FinishReason::kError);
+  auto h = e.health();
+  EXPECT_FALSE(h.healthy) << h.consecutive_failures;
+  EXPECT_GE(h.consecutive_failures, 2);
+  EXPECT_NE(h.reason.find("boom"), std::string::npos) << h.reason;
+  // (Stats are published after the outputs are delivered.)
+  for (int i = 0; i < 400 && e.stats().step_failures < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_GE(e.stats().step_failures, 2);
+  // Recovery: the next step succeeds, health comes back, outputs are the normal ones.
+  fail_from = std::numeric_limits<std::int64_t>::max();
+  p.n = 1;
+  p.temperature = 0;
+  auto d = run(e, "base", prompt_of(6, 10), p, "fd");
+  d->wait();
+  EXPECT_EQ(d->choice(0).finish, FinishReason::kLength);
+  EXPECT_EQ(d->choice(0).ids.size(), 4u);
+  EXPECT_TRUE(e.health().healthy);
+  for (int i = 0; i < 400 && e.stats().running > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(e.stats().running, 0);
+  EXPECT_EQ(e.stats().kv_blocks_used, 0) << "failed steps leak no KV blocks";
+}
+
+TEST(EngineFaults, AHungStepMakesTheEngineUnhealthyUntilItEnds) {
+  auto opts = small_opts();
+  std::atomic<bool> hang{false};
+  opts.step_timeout_s = 0.2;
+  opts.before_forward = [&](std::int64_t) {
+    while (hang) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  };
+  Engine e(env().model, env().tokenizer, opts);
+  hang = true;
+  SamplingParams p;
+  p.max_tokens = 2;
+  auto a = run(e, "base", prompt_of(7, 10), p, "hang");
+  // Wait (by condition, not by a fixed sleep) until the watchdog sees the step past its timeout.
+  EngineHealth h;
+  for (int i = 0; i < 2000 && (h = e.health()).healthy; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_FALSE(h.healthy);
+  EXPECT_GT(h.step_running_s, 0.2);
+  EXPECT_NE(h.reason.find("running for"), std::string::npos) << h.reason;
+  hang = false;
+  a->wait();
+  EXPECT_TRUE(e.health().healthy);
+}
+
+TEST(EngineFaults, AThrowingSinkEndsOnlyItsRequest) {
+  Engine e(env().model, env().tokenizer, small_opts());
+  auto bad = std::make_shared<ThrowingSink>();
+  RequestSpec s;
+  s.id = "bad";
+  s.model = "base";
+  s.prompt = prompt_of(8, 10);
+  s.params.max_tokens = 8;
+  s.sink = bad;
+  e.submit(s);
+  SamplingParams p;
+  p.max_tokens = 8;
+  auto ok = run(e, "base", prompt_of(9, 10), p, "ok");
+  ok->wait();
+  EXPECT_EQ(ok->choice(0).finish, FinishReason::kLength);
+  // The broken request is gone (no sequence left running) and the engine still serves.
+  for (int i = 0; i < 400 && e.stats().running + e.stats().waiting > 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(e.stats().running + e.stats().waiting, 0);
+  EXPECT_GE(bad->calls.load(), 1);
+  EXPECT_TRUE(e.alive());
+  auto again = run(e, "base", prompt_of(10, 10), p, "again");
+  again->wait();
+  EXPECT_EQ(again->choice(0).finish, FinishReason::kLength);
+}
+
+TEST(EngineFaults, AdmissionControlRefusesPastTheQueueLimit) {
+  auto opts = small_opts();
+  opts.max_queued_seqs = 4;
+  Engine e(env().model, env().tokenizer, opts);
+  e.pause(PauseMode::kKeep);
+  SamplingParams p;
+  p.max_tokens = 2;
+  p.n = 3;
+  e.check_capacity(3);
+  auto a = run(e, "base", prompt_of(11, 10), p, "q1");
+  try {
+    e.check_capacity(2);
+    ADD_FAILURE() << "a fifth sequence was admitted past max_queued_seqs = 4";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kUnavailable);
+    EXPECT_NE(std::string(err.what()).find("--max-queued-seqs"), std::string::npos) << err.what();
+  }
+  EXPECT_NO_THROW(e.check_capacity(1));
+  EXPECT_EQ(e.stats().rejected_queue_full, 1);
+  e.resume();
+  a->wait();
+  EXPECT_NO_THROW(e.check_capacity(4)) << "completed requests free their places";
+}
+
 TEST(AdapterStore, ManifestChecksAndAllowedRoots) {
   TempDir d;
   auto dir = d.path() / "adapters" / "policy-v1";
@@ -481,6 +627,81 @@ TEST(AdapterStore, ManifestChecksAndAllowedRoots) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kNotFound);
   }
+}
+
+// Loads fail closed and never block: what a hostile or broken bucket can put in an adapter
+// directory is refused with the reason, within bounded time.
+TEST(AdapterStore, HostileDirectoriesAreRefusedNotFollowedOrWaitedOn) {
+  TempDir d;
+  const fs::path root = d.path() / "adapters";
+  auto good = root / "good";
+  make_adapter("good", 5).weights->save_peft(good);
+  auto expect_refused = [&](const fs::path& dir, ErrorKind kind, const std::string& needle,
+                            const AdapterLoadPolicy* pol = nullptr) {
+    AdapterLoadPolicy p;
+    p.allowed_roots = {root.string()};
+    p.max_rank = 8;
+    if (pol) p = *pol;
+    try {
+      read_adapter("x", dir.string(), p, env().cfg, at::kCPU);
+      ADD_FAILURE() << dir << " loaded; expected: " << needle;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), kind) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  // A FIFO in place of the weights (no manifest): refused at once, not read forever.
+  auto fifo = root / "fifo";
+  fs::create_directories(fifo);
+  fs::copy_file(good / "adapter_config.json", fifo / "adapter_config.json");
+  ASSERT_EQ(::mkfifo((fifo / "adapter_model.safetensors").c_str(), 0600), 0);
+  expect_refused(fifo, ErrorKind::kInvalidInput, "is not a regular file");
+  // A file that is a symbolic link (to the good weights, or to /dev/zero): refused.
+  auto link = root / "link";
+  fs::create_directories(link);
+  fs::copy_file(good / "adapter_config.json", link / "adapter_config.json");
+  fs::create_symlink(good / "adapter_model.safetensors", link / "adapter_model.safetensors");
+  expect_refused(link, ErrorKind::kInvalidInput, "symbolic link");
+  auto zero = root / "zero";
+  fs::create_directories(zero);
+  fs::copy_file(good / "adapter_config.json", zero / "adapter_config.json");
+  fs::create_symlink("/dev/zero", zero / "adapter_model.safetensors");
+  expect_refused(zero, ErrorKind::kInvalidInput, "symbolic link");
+  // A directory symlinked out of the root resolves outside it: Forbidden.
+  fs::create_directories(d.path() / "elsewhere");
+  make_adapter("out", 6).weights->save_peft(d.path() / "elsewhere" / "out");
+  fs::create_directory_symlink(d.path() / "elsewhere" / "out", root / "escape");
+  expect_refused(root / "escape", ErrorKind::kForbidden, "outside the allowed adapter roots");
+  // Oversized files: refused by size before any byte is read.
+  auto big = root / "big";
+  fs::create_directories(big);
+  fs::copy_file(good / "adapter_model.safetensors", big / "adapter_model.safetensors");
+  write_file_atomic(big / "adapter_config.json", std::string(2u << 20, ' '));
+  expect_refused(big, ErrorKind::kInvalidInput, "more than the 1048576 allowed");
+  // A manifest that names another base model: Conflict, with both identities.
+  auto other = root / "other-base";
+  make_adapter("ob", 7).weights->save_peft(other);
+  write_adapter_manifest(other, "ob", 1, 0, "some-other-model", std::string(64, 'a'));
+  AdapterLoadPolicy pol;
+  pol.allowed_roots = {root.string()};
+  pol.max_rank = 8;
+  pol.base_sha256 = std::string(64, 'b');
+  expect_refused(other, ErrorKind::kConflict, "trained on base model some-other-model", &pol);
+  pol.base_sha256 = std::string(64, 'a');
+  EXPECT_NO_THROW(read_adapter("x", other.string(), pol, env().cfg, at::kCPU));
+  // A manifest entry that is not a plain name.
+  auto bad = root / "bad-manifest";
+  make_adapter("bm", 8).weights->save_peft(bad);
+  write_file_atomic(bad / "manifest.json", R"({"files": {"../good/adapter_config.json": {"bytes": 1, "sha256": ""}}})");
+  expect_refused(bad, ErrorKind::kInvalidInput, "invalid file name");
+  // A root that does not exist allows nothing (no lexical fallback).
+  AdapterLoadPolicy ghost;
+  ghost.allowed_roots = {(d.path() / "no-such-root").string()};
+  expect_refused(good, ErrorKind::kForbidden, "outside the allowed adapter roots", &ghost);
+  // And the good one still loads.
+  AdapterLoadPolicy ok;
+  ok.allowed_roots = {root.string()};
+  EXPECT_NO_THROW(read_adapter("x", good.string(), ok, env().cfg, at::kCPU));
 }
 
 }  // namespace
