@@ -34,6 +34,10 @@ std::size_t json_nesting_depth(std::string_view text, std::size_t limit) {
 }
 
 void check_json_depth(std::string_view text, std::string_view what) {
+  // A raw NUL is never valid JSON, but nlohmann::json stops reading at one and would accept
+  // `{"model": "m"}\0<anything>` (found by the prompt-scanner fuzzer against serve's parser).
+  if (auto nul = text.find('\0'); nul != std::string_view::npos)
+    throw_invalid("{} holds a NUL byte at offset {} (not valid JSON)", what, nul);
   if (json_nesting_depth(text, kMaxJsonDepth) > kMaxJsonDepth)
     throw_invalid("{} nests objects or arrays deeper than {} levels", what, kMaxJsonDepth);
 }

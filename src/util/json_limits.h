@@ -19,7 +19,9 @@ inline constexpr std::size_t kMaxJsonDepth = 64;
 // counting once `limit` is exceeded (returns limit + 1). Malformed JSON is left to the parser.
 std::size_t json_nesting_depth(std::string_view text, std::size_t limit = kMaxJsonDepth);
 
-// InvalidInput ("<what> nests deeper than 64 levels") when `text` exceeds kMaxJsonDepth.
+// InvalidInput ("<what> nests deeper than 64 levels") when `text` exceeds kMaxJsonDepth, or
+// ("<what> holds a NUL byte at offset N") when it holds a raw NUL (never valid JSON; nlohmann
+// would stop reading there and accept the prefix).
 void check_json_depth(std::string_view text, std::string_view what = "request body");
 
 }  // namespace lorasync

@@ -88,6 +88,13 @@ TEST(JsonLimits, NestingDepthIgnoresStringsAndStopsAtTheLimit) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput);
     EXPECT_NE(std::string(e.what()).find("deeper than 64 levels"), std::string::npos) << e.what();
   }
+  // A raw NUL (nlohmann would stop reading there and accept the prefix): refused with its offset.
+  try {
+    check_json_depth(std::string("{\"model\": \"m\"}\0{\"junk\"", 22));
+    FAIL() << "a body with a NUL byte was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NUL byte at offset 14"), std::string::npos) << e.what();
+  }
   std::mt19937 rng(7);
   for (int t = 0; t < 200; ++t) {
     std::string s;
