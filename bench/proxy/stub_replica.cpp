@@ -52,6 +52,11 @@ std::vector<std::string> StubReplica::loaded() const {
   std::lock_guard lk(mu_);
   return loaded_;
 }
+void StubReplica::add_adapter(const std::string& name) {
+  std::lock_guard lk(mu_);
+  loaded_.push_back(name);
+}
+
 void StubReplica::forget_adapters() {
   std::lock_guard lk(mu_);
   loaded_.clear();
@@ -90,6 +95,18 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
         co_await w.send(std::move(resp_));
       }
       co_return;
+    }
+    if (strict_models.load() && scan.model != "m" && scan.model != "base") {
+      bool known;
+      {
+        std::lock_guard lk(mu_);
+        known = std::find(loaded_.begin(), loaded_.end(), scan.model) != loaded_.end();
+      }
+      if (!known) {
+        http::Response resp_ = http::error_response(404, "The model `" + scan.model + "` does not exist.", "model");
+        co_await w.send(std::move(resp_));
+        co_return;
+      }
     }
     // Prefix cache: leading blocks already present are cached.
     const std::uint64_t unit = scan.kind == proxy::PromptKind::kText ? 4 * opts_.block_size : opts_.block_size;
@@ -236,6 +253,8 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
     co_return;
   }
   if (path == "/pause" || path == "/resume" || path == "/reset_prefix_cache") {
+    if (path == "/pause") paused_.store(true);
+    if (path == "/resume") paused_.store(false);
     if (path == "/reset_prefix_cache") {
       std::lock_guard lk(mu_);
       cache_.clear();

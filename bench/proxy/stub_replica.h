@@ -57,10 +57,14 @@ class StubReplica {
   std::atomic<bool> hang{false};          // completions never answer (until the client leaves)
   std::atomic<double> latency_s{0};
   std::atomic<int> load_fail_status{0};
+  // Completions for a model that is neither the base ("m" or "base") nor loaded answer 404.
+  std::atomic<bool> strict_models{false};
 
   std::vector<StubCall> calls() const;
   std::vector<std::string> loaded() const;
   void forget_adapters();                 // simulate a restart without state
+  void add_adapter(const std::string& name);  // loaded behind the proxy's back
+  bool paused() const { return paused_.load(); }  // the last of /pause and /resume was /pause
   std::uint64_t prompt_tokens() const { return prompt_tokens_.load(); }
   std::uint64_t cached_tokens() const { return cached_tokens_.load(); }
   std::uint64_t completions() const { return completions_.load(); }
@@ -77,6 +81,7 @@ class StubReplica {
   std::vector<std::string> loaded_;
   std::set<std::pair<std::uint64_t, std::uint64_t>> cache_;
   int load_tries_ = 0;
+  std::atomic<bool> paused_{false};
   std::atomic<std::uint64_t> prompt_tokens_{0}, cached_tokens_{0}, completions_{0}, client_gone_{0};
   std::atomic<int> open_completions_{0};
 };

@@ -429,9 +429,38 @@ http::Task<bool> Proxy::Impl::resync(int r) {
     }
     if (!ok) break;
   }
-  if (ok && pause) {
-    auto f = co_await rep.pool->fetch({"POST", *pause, &h, ""}, call_options(cfg.control_timeout, nullptr, true));
-    ok = f.error == http::CallError::kNone && f.status == 200;
+  // Adapters the replica holds that the fleet does not (an unload it missed while out of service,
+  // a load rolled back elsewhere): unloaded, so the replica converges to exactly the registry.
+  if (ok) {
+    auto f = co_await rep.pool->fetch({"GET", "/v1/models", &h, ""}, call_options(cfg.control_timeout, nullptr, true), 4 << 20);
+    if (f.error == http::CallError::kNone && f.status == 200) {
+      std::vector<std::string> extra;
+      try {
+        auto j = nlohmann::json::parse(f.body);
+        for (const auto& m : j.at("data")) {
+          if (!m.is_object() || !m.contains("id") || !m["id"].is_string()) continue;
+          if (!m.contains("parent") || m["parent"].is_null()) continue;  // the base model
+          const std::string id = m["id"].get<std::string>();
+          if (std::none_of(loads.begin(), loads.end(), [&](const RegisteredAdapter& a) { return a.name == id; }))
+            extra.push_back(id);
+        }
+      } catch (const std::exception&) {
+      }
+      for (const auto& name : extra) {
+        std::string body = nlohmann::json{{"lora_name", name}}.dump();
+        auto u = co_await rep.pool->fetch({"POST", "/v1/unload_lora_adapter", &h, body}, call_options(cfg.control_timeout, nullptr, true));
+        const bool gone = u.error == http::CallError::kNone && (u.status == 200 || u.status == 404);
+        LS_LOG_INFO("proxy", "re-sync of replica {}: unloaded {} (not registered){}", r, name, gone ? "" : ": failed");
+        if (!gone) ok = false;
+      }
+    }
+  }
+  // The fleet's pause state, either way: a replica that missed a /resume while out of service
+  // must not rejoin paused. (A replica without /resume answers 404: nothing to undo.)
+  if (ok) {
+    const std::string target = pause ? *pause : std::string("/resume");
+    auto f = co_await rep.pool->fetch({"POST", target, &h, ""}, call_options(cfg.control_timeout, nullptr, true));
+    ok = f.error == http::CallError::kNone && (f.status == 200 || (!pause && f.status == 404));
   }
   metrics.inc("resyncs_total", "replica=\"" + std::to_string(r) + "\",result=\"" + (ok ? "ok" : "failed") + "\"");
   if (ok) {
@@ -455,6 +484,8 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
   auto next_probe = Clock::now();
   const auto interval = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.probe_interval));
   while (!stopping.load()) {
+    bool failed = false;
+    try {
     ReplicaState s = rep.get();
     if (s == ReplicaState::kEjected) {
       Clock::time_point until;
@@ -502,7 +533,12 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
         }
       }
     }
-    co_await sleep_for(0.05);
+    } catch (const std::exception& e) {
+      // The loop outlives any one failure: a replica must never stop being probed.
+      LS_LOG_ERROR("proxy", "health check of replica {} failed: {}", r, e.what());
+      failed = true;
+    }
+    co_await sleep_for(failed ? 0.5 : 0.05);
   }
 }
 
@@ -516,31 +552,45 @@ http::Task<void> Proxy::Impl::reconcile_loop() {
       AsyncMutex& m;
       ~Unlock() { m.unlock(); }
     } unlock{fleet_lock};
-    auto names = registry_names();
-    for (auto& rp : replicas) {
-      if (rp->get() != ReplicaState::kInService) continue;
-      bool has_pending;
-      {
-        std::lock_guard lk(rp->mu);
-        has_pending = !rp->pending_unloads.empty();
+    // A background loop outlives any one failure (a malformed answer, an allocation failure):
+    // log it and carry on at the next interval.
+    try {
+      auto names = registry_names();
+      for (auto& rp : replicas) {
+        if (rp->get() != ReplicaState::kInService) continue;
+        if (rp->needs_resync.exchange(false)) {
+          LS_LOG_WARN("proxy", "replica {} answered 404 for a registered adapter; re-syncing", rp->index);
+          co_await resync(rp->index);
+          continue;
+        }
+        auto f = co_await rp->pool->fetch({"GET", "/v1/models", &h, ""}, call_options(cfg.control_timeout), 4 << 20);
+        if (f.error != http::CallError::kNone || f.status != 200) continue;
+        std::vector<std::string> adapters;  // ids with a parent: adapters, not the base model
+        try {
+          auto j = nlohmann::json::parse(f.body);
+          for (const auto& m : j.at("data"))
+            if (m.is_object() && m.contains("id") && m["id"].is_string() && m.contains("parent") && !m["parent"].is_null())
+              adapters.push_back(m["id"].get<std::string>());
+        } catch (const std::exception&) {
+          continue;
+        }
+        // Converge both ways: registered adapters present, unregistered ones absent.
+        bool has_pending;
+        {
+          std::lock_guard lk(rp->mu);
+          has_pending = !rp->pending_unloads.empty();
+        }
+        bool missing = false, extra = has_pending;
+        for (const auto& n : names) missing |= std::find(adapters.begin(), adapters.end(), n) == adapters.end();
+        for (const auto& a : adapters) extra |= std::find(names.begin(), names.end(), a) == names.end();
+        if (missing || extra) {
+          LS_LOG_WARN("proxy", "replica {} {}; re-syncing", rp->index,
+                      missing ? "lost registered adapters" : "holds adapters the fleet unloaded");
+          co_await resync(rp->index);
+        }
       }
-      if (names.empty() && !has_pending) continue;
-      auto f = co_await rp->pool->fetch({"GET", "/v1/models", &h, ""}, call_options(cfg.control_timeout), 4 << 20);
-      if (f.error != http::CallError::kNone || f.status != 200) continue;
-      std::vector<std::string> ids;
-      try {
-        auto j = nlohmann::json::parse(f.body);
-        for (const auto& m : j.at("data"))
-          if (m.contains("id") && m["id"].is_string()) ids.push_back(m["id"].get<std::string>());
-      } catch (...) {
-        continue;
-      }
-      bool missing = false;
-      for (const auto& n : names) missing |= std::find(ids.begin(), ids.end(), n) == ids.end();
-      if (missing || has_pending) {
-        if (missing) LS_LOG_WARN("proxy", "replica {} lost registered adapters; re-syncing", rp->index);
-        co_await resync(rp->index);
-      }
+    } catch (const std::exception& e) {
+      LS_LOG_ERROR("proxy", "reconciliation pass failed: {}", e.what());
     }
   }
 }

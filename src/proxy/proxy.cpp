@@ -8,6 +8,7 @@
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/redirect_error.hpp>
 
+#include <algorithm>
 #include <random>
 #include <thread>
 
@@ -385,7 +386,19 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     else note_success(pick);
     // Retried before the first byte on another replica: a replica that is down or draining
     // (502/503); for generation also a failed engine step (500) and a full queue (429, not a fault).
-    const bool retryable = status == 502 || status == 503 || (routed && (status == 500 || status == 429));
+    // A 404 for an adapter the fleet has registered: that replica lost it (a restart); reconciliation
+    // re-syncs it and the request goes to another replica.
+    bool lost_adapter = false;
+    if (routed && status == 404 && !scan.model.empty()) {
+      const auto names = registry_names();
+      lost_adapter = std::find(names.begin(), names.end(), scan.model) != names.end();
+      if (lost_adapter) {
+        rep.needs_resync.store(true);
+        metrics.inc("lost_adapter_404_total", "replica=\"" + std::to_string(pick) + "\"");
+      }
+    }
+    const bool retryable =
+        status == 502 || status == 503 || lost_adapter || (routed && (status == 500 || status == 429));
     if (retryable && attempts <= cfg.max_retries) {
       http::Pool::Full f;
       f.status = status;

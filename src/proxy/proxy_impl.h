@@ -39,6 +39,9 @@ struct Replica {
   Clock::time_point ejected_until{};
   int probe_successes = 0;
   std::vector<std::string> pending_unloads;
+  // Set when a routed request found a registered adapter missing (404): reconciliation re-syncs
+  // the replica at its next pass.
+  std::atomic<bool> needs_resync{false};
   ReplicaState get() const { return static_cast<ReplicaState>(state.load()); }
 };
 

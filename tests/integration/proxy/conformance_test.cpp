@@ -8,6 +8,7 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <nlohmann/json.hpp>
+#include <functional>
 #include <thread>
 
 #include "bench/proxy/stub_replica.h"
@@ -308,6 +309,62 @@ TEST(ProxyConformance, StreamingRelayAndRestartedReplicaResync) {
       if (calls[static_cast<std::size_t>(k)].target == "/pause") last_pause = k;
   }
   EXPECT_GT(last_pause, last_load);
+}
+
+// Waits (bounded) until `done` holds; returns whether it did.
+bool eventually(const std::function<bool()>& done, double seconds = 10) {
+  for (int i = 0; i < static_cast<int>(seconds * 100); ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return done();
+}
+
+// A replica out of service while the fleet resumes and unloads rejoins in the fleet's state:
+// not paused, without the adapter it missed the unload of; an adapter loaded behind the proxy's
+// back is removed by reconciliation.
+TEST(ProxyConformance, RejoiningReplicaConvergesToTheFleetState) {
+  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.2; });
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v2","lora_path":"/b/2"})").status, 200);
+  ASSERT_EQ(call(f.port(), "POST", "/pause?mode=keep").status, 200);
+  EXPECT_TRUE(f.stubs[1]->paused());
+  f.stubs[1]->health_status = 503;  // out of service
+  ASSERT_TRUE(eventually([&] {
+    return json::parse(call(f.port(), "GET", "/proxy/stats").body)["upstreams"][1]["state"] == "ejected";
+  }));
+  ASSERT_EQ(call(f.port(), "POST", "/resume").status, 200);
+  ASSERT_EQ(call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"policy-v1"})").status, 200);
+  EXPECT_FALSE(f.stubs[0]->paused());
+  EXPECT_TRUE(f.stubs[1]->paused()) << "the ejected replica missed the resume";
+  f.stubs[1]->health_status = 200;  // back
+  EXPECT_TRUE(eventually([&] { return !f.stubs[1]->paused() && f.stubs[1]->loaded() == std::vector<std::string>{"policy-v2"}; }))
+      << "paused " << f.stubs[1]->paused() << ", adapters " << json(f.stubs[1]->loaded()).dump();
+  f.stubs[0]->add_adapter("rogue");
+  EXPECT_TRUE(eventually([&] { return f.stubs[0]->loaded() == std::vector<std::string>{"policy-v2"}; }))
+      << json(f.stubs[0]->loaded()).dump();
+}
+
+// A routed 404 for a registered adapter (the replica restarted and lost it) goes to another
+// replica, and the one that lost it is re-synced.
+TEST(ProxyConformance, RoutedNotFoundForARegisteredAdapterRetriesAndResyncs) {
+  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.2; });
+  for (auto& st : f.stubs) st->strict_models = true;
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v7","lora_path":"/b/7"})").status, 200);
+  // Both replicas lose it; requests pinned by affinity to either still get a 404 only when no
+  // replica has it, and a 200 once one is re-synced.
+  f.stubs[0]->forget_adapters();
+  int ok = 0, lost = 0;
+  for (int i = 0; i < 8; ++i) {
+    auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({i + 1}, "policy-v7"));
+    if (r.status == 200) ++ok;
+    if (r.status == 404) ++lost;
+  }
+  EXPECT_EQ(ok, 8) << "a 404 from the replica that lost the adapter is retried on the other";
+  EXPECT_EQ(lost, 0);
+  EXPECT_TRUE(eventually([&] { return f.stubs[0]->loaded() == std::vector<std::string>{"policy-v7"}; }));
+  auto m = call(f.port(), "GET", "/metrics").body;
+  EXPECT_NE(m.find("lost_adapter_404_total"), std::string::npos);
 }
 
 TEST(ProxyConformance, AuthTokenAndBadInput) {
