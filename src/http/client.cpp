@@ -383,7 +383,8 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
     co_await on_stream(*conn, [&](auto& s) {
       return net::async_write(s, bufs, net::redirect_error(net::use_awaitable, ec));
     });
-    if (!ec) {
+    // Interim 1xx answers (100 Continue, 103 Early Hints) are skipped: the final status follows.
+    for (int interim = 0; !ec && interim < 8; ++interim) {
       impl->parser = std::make_unique<bhttp::response_parser<bhttp::buffer_body>>();
       impl->parser->header_limit(1u << 20);
       impl->parser->body_limit(std::numeric_limits<std::uint64_t>::max());
@@ -391,6 +392,9 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
       co_await on_stream(*conn, [&](auto& s) {
         return bhttp::async_read_header(s, conn->buf, *impl->parser, net::redirect_error(net::use_awaitable, ec));
       });
+      if (ec) break;
+      const int st = static_cast<int>(impl->parser->get().result_int());
+      if (st < 100 || st >= 200 || st == 101) break;
     }
     if (ec) {
       bool cancelled = o.cancel && o.cancel->fired();

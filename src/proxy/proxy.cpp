@@ -164,6 +164,7 @@ http::Headers Proxy::Impl::upstream_headers(const http::Request& req, const std:
   h.remove("content-length");
   h.remove("authorization");
   h.remove("x-request-id");
+  h.remove("expect");  // the proxy already holds the whole body: no 100-continue upstream
   h.add("X-Request-Id", rid);
   if (!cfg.upstream_token.empty()) h.add("Authorization", "Bearer " + cfg.upstream_token);
   return h;

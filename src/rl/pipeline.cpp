@@ -98,6 +98,7 @@ struct Pipeline::Impl {
 
   mutable std::mutex mu;
   std::condition_variable cv_trainer, cv_score, cv_space;
+  std::function<std::uint64_t()> event_offset;  // capture(): the event log's offset
   Cursor cursor;
   bool dispatch_done = false;  // data.epochs reached
   std::map<std::int64_t, VersionInfo> versions;
@@ -635,7 +636,7 @@ void Pipeline::record_trained(const std::vector<Group>& groups) {
   std::lock_guard lk(I.mu);
   for (const auto& g : groups) {
     I.c += static_cast<std::int64_t>(g.members.size());
-    I.emit({"trained", g.prompt, g.version, g.sync_index, I.staleness_locked(g.sync_index), g.tokens(), g.mean_reward()});
+    I.emit({"trained", g.prompt, g.version, g.sync_index, g.staleness, g.tokens(), g.mean_reward()});
   }
 }
 
@@ -693,6 +694,11 @@ bool Pipeline::in_flight_uses(std::int64_t version) const {
   return false;
 }
 
+void Pipeline::retire_version(std::int64_t version) {
+  std::lock_guard lk(impl_->mu);
+  if (version != impl_->current) impl_->versions.erase(version);
+}
+
 std::optional<VersionInfo> Pipeline::version(std::int64_t v) const {
   std::lock_guard lk(impl_->mu);
   auto it = impl_->versions.find(v);
@@ -707,10 +713,16 @@ std::optional<VersionInfo> Pipeline::current() const {
   return it->second;
 }
 
+void Pipeline::set_event_offset(std::function<std::uint64_t()> f) {
+  std::lock_guard lk(impl_->mu);
+  impl_->event_offset = std::move(f);
+}
+
 PipelineState Pipeline::capture() const {
   auto& I = *impl_;
   std::lock_guard lk(I.mu);
   PipelineState st;
+  if (I.event_offset) st.events_offset = I.event_offset();
   st.cursor = I.cursor;
   std::deque<PromptRef> redo;
   for (const auto& [id, f] : I.inflight) redo.push_back(f.prompt);  // dispatch order (ids ascend)

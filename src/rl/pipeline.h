@@ -58,6 +58,9 @@ struct Group {
   double enqueued_at = 0;    // seconds (steady clock), for time_in_queue
   double request_s = 0, score_s = 0;
   bool scored = false;
+  // Staleness at the step's last check before training (what the step trained at; a switch during
+  // the step does not change it). Set by the trainer.
+  std::int64_t staleness = 0;
   double mean_reward() const;
   std::int64_t tokens() const;
 };
@@ -97,6 +100,7 @@ struct PipelineState {
   std::vector<VersionInfo> versions;
   std::int64_t current = 0;        // current version number
   std::int64_t samples_since_switch = 0;
+  std::uint64_t events_offset = 0;  // the event log's offset, read in the same critical section
 };
 
 struct PipelineOptions {
@@ -137,9 +141,15 @@ class Pipeline {
   // V := v; c := 0; cancels in-flight groups and removes queued ones beyond the staleness bound.
   void switch_to(std::int64_t version);
   bool in_flight_uses(std::int64_t version) const;
+  // The version was unloaded everywhere: forgotten, so a later 404 naming it is fatal (no request
+  // may use it any more) and the table stays bounded over a long run.
+  void retire_version(std::int64_t version);
   std::optional<VersionInfo> version(std::int64_t v) const;
   std::optional<VersionInfo> current() const;
 
+  // Read inside capture()'s critical section: the event sink's log offset (the sink runs under
+  // the same lock, so the offset matches the captured state exactly).
+  void set_event_offset(std::function<std::uint64_t()> f);
   // Snapshot for a checkpoint (one critical section).
   PipelineState capture() const;
 

@@ -283,8 +283,9 @@ int Trainer::run() {
     json j = {{"step", event_step_.load()}, {"prompt", e.prompt.index}, {"epoch", e.prompt.epoch}, {"attempt", e.prompt.attempt},
               {"version", e.version}, {"sync_index", e.sync_index}, {"staleness", e.staleness}, {"disposition", e.disposition},
               {"reward", e.mean_reward}, {"tokens", e.tokens}};
-    groups_log_.write(j.dump());
+    groups_log_.append(j.dump());  // under the pipeline's lock: memory only
   });
+  pipe_->set_event_offset([this] { return groups_log_.logical_offset(); });
 
   std::set<std::int64_t> keep;
   std::optional<std::int64_t> restored_current;
@@ -451,7 +452,11 @@ int Trainer::run() {
         }
         for (auto it = version_adapters_.begin(); it != version_adapters_.end();) {
           auto info = pipe_->version(it->first);
-          const bool old = info && cur && cur->sync_index - info->sync_index > cfg_.async.max_staleness && !loaded.count(it->first);
+          // No info: either retired (unloaded, older than the current version) or a sync's
+          // snapshot not announced yet (newer): only the former goes.
+          const bool beyond = info ? cur && cur->sync_index - info->sync_index > cfg_.async.max_staleness
+                                   : cur && it->first < cur->version;
+          const bool old = beyond && !loaded.count(it->first);
           it = old ? version_adapters_.erase(it) : std::next(it);
         }
       }
@@ -495,6 +500,7 @@ int Trainer::run() {
       for (const auto& [k, v] : pipe_->counters()) m[k] = v;
       last_step_end_ = t;
       emit_metrics(m);
+      groups_log_.flush();
       // Checkpoint after the step's metrics line (its offset includes the line); the time it
       // takes is reported with the next step.
       if (step_ % cfg_.checkpoint.save_steps == 0 && step_ < cfg_.max_steps) {

@@ -19,7 +19,10 @@ void truncate_with_orphans(const fs::path& path, std::uint64_t offset, std::int6
 
 void Trainer::write_checkpoint_now(bool final_ckpt) {
   const double t0 = now_s();
+  // The groups log offset is taken inside the capture (the same critical section as the queue
+  // and the cursor), then the log is flushed so the file holds at least that much.
   PipelineState ps = pipe_->capture();
+  groups_log_.flush();
   CheckpointData d;
   d.step = step_;
   d.adapter = &adapter_;
@@ -53,7 +56,7 @@ void Trainer::write_checkpoint_now(bool final_ckpt) {
              {"loss_scaler", {{"scale", loss_scale_}, {"clean_steps", clean_steps_}}},
              {"rng", {{"seed", cfg_.seed}}},
              {"metrics_offset", metrics_.offset()},
-             {"groups_offset", groups_log_.offset()},
+             {"groups_offset", ps.events_offset},
              {"config_toml", cfg_toml},
              {"config_sha256", sha256_hex(cfg_toml)},
              {"program_version", LORASYNC_VERSION}};

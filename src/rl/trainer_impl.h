@@ -76,8 +76,12 @@ class JsonlWriter {
     path_ = p;
     f_ = std::fopen(p.c_str(), "ab");
     if (!f_) throw_env("cannot open {} for appending", p.string());
+    std::error_code ec;
+    const auto size = fs::file_size(p, ec);
+    logical_ = ec ? 0 : static_cast<std::uint64_t>(size);
   }
   ~JsonlWriter() {
+    flush();
     if (f_) std::fclose(f_);
   }
   void write(const std::string& line) {
@@ -95,10 +99,42 @@ class JsonlWriter {
     return static_cast<std::uint64_t>(std::ftell(f_));
   }
 
+  // Buffered mode (groups.jsonl): append() only copies the line into memory, so a caller holding
+  // another lock (the pipeline's) never waits on the disk; logical_offset() counts what was
+  // appended, written or not, so it is consistent with the caller's state under that lock;
+  // flush() writes the buffer out (called between steps and before a checkpoint).
+  void append(const std::string& line) {
+    std::lock_guard lk(mu_);
+    if (!f_) return;
+    pending_ += line;
+    pending_ += '\n';
+    logical_ += line.size() + 1;
+  }
+  std::uint64_t logical_offset() {
+    std::lock_guard lk(mu_);
+    return logical_;
+  }
+  void flush() {
+    std::lock_guard flk(flush_mu_);  // one writer at a time, in append order
+    std::string out;
+    std::FILE* f;
+    {
+      std::lock_guard lk(mu_);
+      out.swap(pending_);
+      f = f_;
+    }
+    if (!f || out.empty()) return;
+    std::fwrite(out.data(), 1, out.size(), f);
+    std::fflush(f);
+    ::fsync(fileno(f));
+  }
+
  private:
-  std::mutex mu_;
+  std::mutex flush_mu_, mu_;
   fs::path path_;
   std::FILE* f_ = nullptr;
+  std::string pending_;
+  std::uint64_t logical_ = 0;  // file size at open + bytes appended since
 };
 
 class Trainer {

@@ -79,6 +79,7 @@ std::vector<Group> Trainer::assemble_step_into(std::vector<Group>& groups, doubl
         it = groups.erase(it);
         dropped = true;
       } else {
+        it->staleness = s;
         ++it;
       }
     }
@@ -224,7 +225,7 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
     const double gs = reward_stats(rewards).std;
     rstd_sum += gs;
     if (gs == 0) zero_std += 1;
-    const auto s = static_cast<double>(pipe_->staleness_of(g));
+    const auto s = static_cast<double>(g.staleness);  // as checked before the step, never max + 1
     for (const auto& mem : g.members) {
       if (!std::isnan(mem.reward)) rsum += mem.reward, scored += 1;
       if (mem.finish == "length") clipped += 1;

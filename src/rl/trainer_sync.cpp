@@ -88,6 +88,7 @@ void Trainer::retire_versions(std::int64_t keep, std::int64_t sync_index, double
     while (pipe_->in_flight_uses(v) && now_s() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     if (pipe_->in_flight_uses(v)) continue;  // tried again before the next load
     if (unload_adapter(publisher_->name_of(v))) {
+      pipe_->retire_version(v);
       std::lock_guard lk(sync_mu_);
       loaded_.erase(v);
       to_delete_.push_back(v);

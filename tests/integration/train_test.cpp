@@ -215,6 +215,10 @@ TEST_F(TrainFixture, TightAdapterSlotsSyncEveryStep) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto metrics = read_jsonl(bucket_ / "metrics.jsonl");
   ASSERT_EQ(metrics.size(), 6u);
+  // Staleness is what each step trained at: a switch during the step never shows max_staleness + 1.
+  for (const auto& m : metrics) EXPECT_LE(m["sample/staleness_max"].get<double>(), 1.0) << m.dump();
+  for (const auto& g : read_jsonl(bucket_ / "groups.jsonl"))
+    if (g.value("disposition", std::string()) == "trained") EXPECT_LE(g["staleness"].get<int>(), 1) << g.dump();
   auto models = json::parse(http_request(port, "GET", "/v1/models").body);
   EXPECT_LE(models["data"].size(), 4u) << models.dump();  // the base model and at most 3 adapters
 }

@@ -1,6 +1,10 @@
 // Proxy conformance tests (proxy.md §7): an in-process Proxy in front of in-process stub
 // replicas, all on loopback port 0. Deterministic (fixed traces), bounded in time.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <utility>
 
@@ -365,6 +369,46 @@ TEST(ProxyConformance, RoutedNotFoundForARegisteredAdapterRetriesAndResyncs) {
   EXPECT_TRUE(eventually([&] { return f.stubs[0]->loaded() == std::vector<std::string>{"policy-v7"}; }));
   auto m = call(f.port(), "GET", "/metrics").body;
   EXPECT_NE(m.find("lost_adapter_404_total"), std::string::npos);
+}
+
+// Expect: 100-continue ends at the proxy (it answers 100 itself and holds the body), and an
+// upstream's interim 1xx answer is skipped, never relayed as the final status.
+TEST(ProxyConformance, ExpectContinueAndInterimResponses) {
+  Fleet f(1);
+  http::Headers h;
+  h.add("Expect", "100-continue");
+  auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({3}), h);
+  EXPECT_EQ(r.status, 200) << r.body;
+  auto calls = f.stubs[0]->calls();
+  ASSERT_FALSE(calls.empty());
+  for (const auto& n : calls.back().header_names) EXPECT_FALSE(http::iequals(n, "expect")) << n;
+  // A raw upstream that sends 103 Early Hints before its 200.
+  int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(lfd, 1), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+  std::thread up([lfd] {
+    int c = ::accept(lfd, nullptr, nullptr);
+    std::string got;
+    char b[4096];
+    while (got.find("\r\n\r\n") == std::string::npos) {
+      ssize_t n = ::recv(c, b, sizeof b, 0);
+      if (n <= 0) break;
+      got.append(b, static_cast<std::size_t>(n));
+    }
+    const std::string out = "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+    (void)::send(c, out.data(), out.size(), MSG_NOSIGNAL);
+    ::close(c);
+  });
+  auto u = call(ntohs(a.sin_port), "GET", "/x");
+  up.join();
+  ::close(lfd);
+  EXPECT_EQ(u.status, 200);
+  EXPECT_EQ(u.body, "ok");
 }
 
 TEST(ProxyConformance, AuthTokenAndBadInput) {
