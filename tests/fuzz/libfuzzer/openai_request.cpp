@@ -11,20 +11,6 @@
 #include "util/error.h"
 #include "util/log.h"
 
-// engine.cpp (libtorch) holds this one function openai.cpp needs; the target defines its own.
-namespace lorasync::engine {
-const char* finish_reason_name(FinishReason r) {
-  switch (r) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kAbort: return "abort";
-    case FinishReason::kError: return "error";
-    case FinishReason::kNone: break;
-  }
-  return nullptr;
-}
-}  // namespace lorasync::engine
-
 namespace {
 std::unique_ptr<lorasync::tok::Tokenizer> tk;
 }
