@@ -6,9 +6,11 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/this_coro.hpp>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "proxy/prompt_scan.h"
+#include "http/blocking_client.h"
 #include "proxy/proxy_impl.h"
 #include "util/log.h"
 
@@ -374,6 +376,54 @@ http::Task<http::Response> Proxy::Impl::handle_fan_in(const http::Request& req, 
   j["replicas"] = nlohmann::json::array();
   for (int r = 0; r < N; ++r) j["replicas"].push_back(target_json(res[static_cast<std::size_t>(r)], replicas[static_cast<std::size_t>(r)]->url_str));
   co_return http::json_response(status, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+// ---- registry bootstrap (a restarted proxy) -------------------------------------------------------
+
+void Proxy::Impl::bootstrap_registry() {
+  // name -> lora_path (vLLM and lorasync serve report an adapter's path as `root`).
+  std::optional<std::vector<std::pair<std::string, std::string>>> common;
+  int answered = 0;
+  for (const auto& rp : replicas) {
+    http::Pool::Full f;
+    try {
+      http::BlockingClient c(rp->url_str, cfg.upstream_token);
+      f = c.request("GET", "/v1/models", {}, cfg.control_timeout);
+    } catch (const std::exception& e) {
+      LS_LOG_WARN("proxy", "registry bootstrap: replica {}: {}", rp->index, e.what());
+      continue;
+    }
+    if (f.status != 200) continue;
+    std::vector<std::pair<std::string, std::string>> held;
+    try {
+      auto j = nlohmann::json::parse(f.body);
+      for (const auto& m : j.at("data")) {
+        if (!m.is_object() || !m.contains("id") || !m["id"].is_string()) continue;
+        if (!m.contains("parent") || m["parent"].is_null()) continue;  // the base model
+        held.emplace_back(m["id"].get<std::string>(), m.contains("root") && m["root"].is_string() ? m["root"].get<std::string>() : "");
+      }
+    } catch (const std::exception&) {
+      continue;
+    }
+    ++answered;
+    if (!common) {
+      common = std::move(held);
+    } else {
+      std::erase_if(*common, [&](const auto& a) {
+        return std::none_of(held.begin(), held.end(), [&](const auto& h) { return h.first == a.first; });
+      });
+    }
+  }
+  if (!common || common->empty()) return;
+  {
+    std::lock_guard lk(fleet_mu);
+    for (const auto& [name, root] : *common)
+      registry.push_back({name, nlohmann::json{{"lora_name", name}, {"lora_path", root}}.dump(), ++next_seq});
+  }
+  router.set_registered(registry_names());
+  std::vector<std::string> names;
+  for (const auto& a : *common) names.push_back(a.first);
+  LS_LOG_INFO("proxy", "adapter registry rebuilt from {} replica(s): {}", answered, fmt::join(names, ", "));
 }
 
 // ---- health state machine, re-sync, reconciliation ---------------------------------------------

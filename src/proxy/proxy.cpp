@@ -475,6 +475,7 @@ Proxy::~Proxy() {
 
 void Proxy::start() {
   auto& I = *impl_;
+  I.bootstrap_registry();  // before the first request and the first re-sync
   I.server->start();
   for (std::size_t r = 0; r < I.replicas.size(); ++r) I.server->spawn([&I, r] { return I.health_loop(static_cast<int>(r)); });
   if (I.cfg.reconcile_interval > 0) I.server->spawn([&I] { return I.reconcile_loop(); });

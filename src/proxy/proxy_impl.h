@@ -120,6 +120,9 @@ class Proxy::Impl {
   void eject(int r, const std::string& reason);
   void set_state(int r, ReplicaState s, const char* why);
   std::vector<std::string> registry_names() const;
+  // At start: the adapters every replica that answers already holds become the registry (a
+  // restarted proxy carries on with the fleet as it is; the others are unloaded by reconciliation).
+  void bootstrap_registry();
 
   // stats.cpp
   nlohmann::json stats_json() const;

@@ -92,7 +92,15 @@ struct Fleet {
     c.threads = 2;
     if (tweak) tweak(c);
     resolve_config(c);
+    cfg = c;
     proxy = std::make_unique<Proxy>(c);
+    proxy->start();
+  }
+  ProxyConfig cfg;
+  // A proxy restart: the same replicas, a new proxy process (its registry starts empty).
+  void restart_proxy() {
+    proxy->stop();
+    proxy = std::make_unique<Proxy>(cfg);
     proxy->start();
   }
   ~Fleet() {
@@ -409,6 +417,25 @@ TEST(ProxyConformance, ExpectContinueAndInterimResponses) {
   ::close(lfd);
   EXPECT_EQ(u.status, 200);
   EXPECT_EQ(u.body, "ok");
+}
+
+// A proxy restarted mid-run carries on with the fleet as it is: the adapters every replica holds
+// become its registry (routed, unloadable, replayed on re-sync); one that only some replicas
+// hold (a load cut short by the crash) is unloaded, so the fleet stays all-or-nothing.
+TEST(ProxyConformance, ARestartedProxyRebuildsItsRegistryFromTheReplicas) {
+  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.2; });
+  for (auto& st : f.stubs) st->strict_models = true;
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v3","lora_path":"/b/3"})").status, 200);
+  f.stubs[0]->add_adapter("policy-v4");  // half a load when the proxy died
+  f.restart_proxy();
+  auto stats = json::parse(call(f.port(), "GET", "/proxy/stats").body);
+  EXPECT_EQ(stats["fleet"]["registry"], json::array({"policy-v3"})) << stats.dump();
+  EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({9}, "policy-v3")).status, 200);
+  EXPECT_TRUE(eventually([&] { return f.stubs[0]->loaded() == std::vector<std::string>{"policy-v3"}; }))
+      << json(f.stubs[0]->loaded()).dump();
+  ASSERT_EQ(call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"policy-v3"})").status, 200);
+  EXPECT_TRUE(f.stubs[0]->loaded().empty());
+  EXPECT_TRUE(f.stubs[1]->loaded().empty());
 }
 
 TEST(ProxyConformance, AuthTokenAndBadInput) {
