@@ -45,6 +45,7 @@ const char* call_error_name(CallError e) {
     case CallError::kBodyError: return "body_error";
     case CallError::kProtocol: return "protocol_error";
     case CallError::kCancelled: return "cancelled";
+    case CallError::kLocal: return "local_resources";
   }
   return "?";
 }
@@ -69,8 +70,10 @@ struct Conn {
   Clock::time_point idle_since{};
   bool broken = false;
   beast::tcp_stream& lowest() { return tls ? beast::get_lowest_layer(*tls) : *tcp; }
+  bool has_stream() const { return tls || tcp; }
   void close() {
     broken = true;
+    if (!has_stream()) return;  // never connected (the connect step itself failed)
     beast::error_code ec;
     lowest().socket().shutdown(tcp::socket::shutdown_both, ec);
     lowest().socket().close(ec);
@@ -111,8 +114,11 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
   std::size_t open = 0;                     // open connections + reserved slots
   std::deque<std::shared_ptr<Waiter>> waiters;
 
-  // A connection (reused) or null with a reserved slot (open a new one). nullopt: timed out.
-  Task<std::optional<std::unique_ptr<Conn>>> acquire(bool fresh, Clock::time_point deadline) {
+  // A connection (reused) or null with a reserved slot (open a new one). nullopt: timed out, or
+  // (*cancelled set) the caller's client left while it waited for a slot: it stops waiting at
+  // once, and a slot granted meanwhile goes to the next waiter.
+  Task<std::optional<std::unique_ptr<Conn>>> acquire(bool fresh, Clock::time_point deadline, CancelSignal* cancel,
+                                                     bool* cancelled) {
     std::shared_ptr<Waiter> w;
     {
       std::lock_guard lk(mu);
@@ -134,9 +140,35 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
       w = std::make_shared<Waiter>();
       waiters.push_back(w);
     }
-    // Wait in FIFO order; poll the grant flag every 20 ms so no wake-up can be lost.
+    // Wait in FIFO order; poll the grant flag every 20 ms so no wake-up can be lost. A departing
+    // client cancels the timer (its callback runs on this strand).
     net::steady_timer timer(co_await net::this_coro::executor);
+    std::optional<CancelSignal::Id> sub;
+    if (cancel) sub = cancel->subscribe([&timer] { timer.cancel(); });
+    struct Unsub {
+      CancelSignal* c;
+      std::optional<CancelSignal::Id>& id;
+      ~Unsub() {
+        if (c && id) c->unsubscribe(*id);
+      }
+    } unsub{cancel, sub};
     for (;;) {
+      if (cancel && cancel->fired()) {
+        std::unique_ptr<Conn> back;
+        bool had_slot = false;
+        {
+          std::lock_guard lk(mu);
+          if (w->granted) {
+            had_slot = true;
+            back = std::move(w->conn);
+          } else {
+            std::erase(waiters, w);
+          }
+        }
+        if (had_slot) release(std::move(back), true);  // pass the slot on
+        *cancelled = true;
+        co_return std::nullopt;
+      }
       {
         std::lock_guard lk(mu);
         if (w->granted) {
@@ -179,7 +211,27 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
     }
   }
 
+  // connect_impl, with anything it throws (a resolver or socket that cannot be created when the
+  // process is out of descriptors) turned into an error: kLocal for resource exhaustion.
   Task<CallError> connect(Conn& c, Clock::time_point deadline, std::string& msg) {
+    CallError e = CallError::kConnect;
+    try {
+      e = co_await connect_impl(c, deadline, msg);
+    } catch (const boost::system::system_error& x) {
+      msg = "connect to " + url.str() + " failed: " + x.what();
+      const auto code = x.code();
+      e = code == net::error::no_descriptors || code == boost::system::errc::too_many_files_open_in_system ||
+                  code == net::error::no_buffer_space || code == net::error::no_memory
+              ? CallError::kLocal
+              : CallError::kConnect;
+    } catch (const std::bad_alloc&) {
+      msg = "connect to " + url.str() + " failed: out of memory";
+      e = CallError::kLocal;
+    }
+    co_return e;
+  }
+
+  Task<CallError> connect_impl(Conn& c, Clock::time_point deadline, std::string& msg) {
     auto ex = co_await net::this_coro::executor;
     beast::error_code ec;
     tcp::resolver res(ex);
@@ -195,6 +247,12 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
     c.lowest().expires_at(limit);
     co_await c.lowest().async_connect(results, net::redirect_error(net::use_awaitable, ec));
     if (ec) {
+      // Out of descriptors, buffers or memory here: this process's fault, not the peer's.
+      if (ec == net::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system ||
+          ec == net::error::no_buffer_space || ec == net::error::no_memory) {
+        msg = "connect to " + url.str() + " failed locally (" + ec.message() + "): this process is out of resources";
+        co_return CallError::kLocal;
+      }
       msg = "connect to " + url.str() + " failed: " + ec.message();
       co_return ec == beast::error::timeout ? CallError::kConnectTimeout : CallError::kConnect;
     }
@@ -236,6 +294,11 @@ class ResponseStream::Impl {
     if (!conn) return;
     if (opts.cancel && cancel_id) opts.cancel->unsubscribe(cancel_id);
     cancel_id = 0;
+    if (!conn->has_stream()) {  // the connect step failed before a socket existed
+      conn.reset();
+      pool->release(nullptr, false);
+      return;
+    }
     bool keep = reusable && !conn->broken && conn->buf.size() == 0;
     conn->lowest().expires_never();
     pool->release(std::move(conn), keep);
@@ -352,7 +415,13 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
       out.message = "client went away";
       co_return out;
     }
-    auto got = co_await P->acquire(fresh, deadline);
+    bool cancelled = false;
+    auto got = co_await P->acquire(fresh, deadline, o.cancel, &cancelled);
+    if (cancelled) {
+      out.error = CallError::kCancelled;
+      out.message = "client went away while waiting for a connection";
+      co_return out;
+    }
     if (!got) {
       out.error = CallError::kPoolTimeout;
       out.message = "no free connection to " + P->url.str() + " within the total timeout";

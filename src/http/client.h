@@ -60,6 +60,7 @@ enum class CallError {
   kBodyError,          // connection failed mid-body
   kProtocol,           // unparseable response
   kCancelled,
+  kLocal,              // this process ran out of descriptors, buffers or memory (not the peer's fault)
 };
 const char* call_error_name(CallError e);
 bool is_timeout(CallError e);

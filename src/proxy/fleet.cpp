@@ -557,7 +557,10 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
       auto f = co_await rep.pool->fetch({"GET", "/health", &h, ""}, call_options(cfg.probe_timeout), 4096);
       bool good = f.error == http::CallError::kNone && f.status < 500;
       bool healthy = f.error == http::CallError::kNone && f.status == 200;
-      if (rep.get() == ReplicaState::kInService) {
+      if (f.error == http::CallError::kLocal) {
+        // The proxy's own shortage says nothing about the replica.
+        LS_LOG_WARN("proxy", "health probe of replica {} could not be sent: {}", r, f.message);
+      } else if (rep.get() == ReplicaState::kInService) {
         if (good) note_success(r);
         else note_failure(r, f.error != http::CallError::kNone ? http::call_error_name(f.error) : "probe_status", true);
       } else if (rep.get() == ReplicaState::kProbing) {

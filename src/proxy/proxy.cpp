@@ -365,6 +365,15 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
         w.abort();
         co_return;
       }
+      if (res.error == http::CallError::kLocal) {
+        // The proxy itself is out of descriptors or memory: not the replica's fault (no failure
+        // counted, no ejection), and no retry that would need the same resources.
+        metrics.inc("local_resource_errors_total");
+        if (routed) router.finish_request(scan.model, std::nullopt);
+        LS_LOG_ERROR("proxy", "[{}] {}", rid, res.message);
+        co_await send_error(503, "the proxy is out of local resources (file descriptors or memory); retry later");
+        co_return;
+      }
       const bool timeout = http::is_timeout(res.error);
       note_failure(pick, http::call_error_name(res.error), true);
       last_error = "upstream " + rep.url_str + " failed: " + res.message;

@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <utility>
@@ -11,6 +12,7 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <nlohmann/json.hpp>
 #include <functional>
 #include <thread>
@@ -436,6 +438,81 @@ TEST(ProxyConformance, ARestartedProxyRebuildsItsRegistryFromTheReplicas) {
   ASSERT_EQ(call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"policy-v3"})").status, 200);
   EXPECT_TRUE(f.stubs[0]->loaded().empty());
   EXPECT_TRUE(f.stubs[1]->loaded().empty());
+}
+
+// A caller whose client left while it waited for a pool slot stops waiting at once (kCancelled),
+// rather than holding its place until the total timeout (kPoolTimeout).
+TEST(HttpPool, ACallerWaitingForASlotIsCancelledWhenItsClientLeaves) {
+  bench::StubOptions so;
+  bench::StubReplica stub(so);
+  stub.start();
+  stub.hang = true;  // the first call holds the only connection
+  std::string err;
+  boost::asio::io_context ioc;
+  http::ClientOptions co;
+  co.max_connections = 1;
+  http::Pool pool(*http::Url::parse(stub.url(), err), co);
+  http::CancelSignal first_gone, second_gone;
+  http::CallError first = http::CallError::kNone, second = http::CallError::kNone;
+  const std::string body = ids_prompt({1});
+  http::Headers h;
+  h.add("Content-Type", "application/json");
+  auto call_with = [&](http::CancelSignal* c, http::CallError* out, double total) -> http::Task<void> {
+    http::CallOptions o;
+    o.total_timeout_s = total;
+    o.cancel = c;
+    auto f = co_await pool.fetch({"POST", "/v1/completions", &h, body}, o);
+    *out = f.error;
+  };
+  boost::asio::co_spawn(ioc, call_with(&first_gone, &first, 30), boost::asio::detached);
+  boost::asio::co_spawn(ioc, call_with(&second_gone, &second, 5), boost::asio::detached);
+  boost::asio::steady_timer t(ioc, std::chrono::milliseconds(100));
+  t.async_wait([&](const boost::system::error_code&) {
+    second_gone.fire();  // the waiting caller's client leaves
+    boost::asio::steady_timer* t2 = new boost::asio::steady_timer(ioc, std::chrono::milliseconds(100));
+    t2->async_wait([&, t2](const boost::system::error_code&) {
+      first_gone.fire();  // then the one holding the connection
+      delete t2;
+    });
+  });
+  ioc.run();
+  stub.stop();
+  EXPECT_EQ(second, http::CallError::kCancelled) << http::call_error_name(second);
+  EXPECT_EQ(first, http::CallError::kCancelled) << http::call_error_name(first);
+}
+
+// In the death-test child: lowers RLIMIT_NOFILE, uses every descriptor up, then calls `url`.
+// 0 when the call failed as kLocal.
+int call_out_of_descriptors(const std::string& url) {
+  std::string err;
+  boost::asio::io_context ioc;
+  http::Pool pool(*http::Url::parse(url, err), http::ClientOptions{});
+  rlimit rl{64, 64};
+  setrlimit(RLIMIT_NOFILE, &rl);
+  while (::dup(0) >= 0) {
+  }
+  http::CallError e = http::CallError::kNone;
+  boost::asio::co_spawn(ioc, [&]() -> http::Task<void> {
+    http::CallOptions o;
+    o.total_timeout_s = 5;
+    auto f = co_await pool.fetch({"GET", "/health", nullptr, ""}, o);
+    e = f.error;
+  }, boost::asio::detached);
+  ioc.run();
+  return e == http::CallError::kLocal ? 0 : 10 + static_cast<int>(e);
+}
+
+// Out of file descriptors in this process: the call fails as kLocal (not the peer's fault), which
+// the proxy neither counts against the replica nor retries. In a child process (death-test style),
+// since it lowers RLIMIT_NOFILE.
+TEST(HttpPool, RunningOutOfDescriptorsIsALocalError) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  bench::StubOptions so;
+  bench::StubReplica stub(so);
+  stub.start();
+  const std::string url = stub.url();
+  EXPECT_EXIT(std::_Exit(call_out_of_descriptors(url)), ::testing::ExitedWithCode(0), "");
+  stub.stop();
 }
 
 TEST(ProxyConformance, AuthTokenAndBadInput) {

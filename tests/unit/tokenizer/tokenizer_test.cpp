@@ -508,5 +508,19 @@ TEST(Trainer, DeterministicLoadsAndRoundTrips) {
   EXPECT_THROW(train_bpe(corpus, tiny_vocab), Error);
 }
 
+// Found by the tokenizer_json fuzz target: a number past double range made nlohmann throw
+// out_of_range, which escaped instead of the InvalidInput every bad file gets.
+TEST(TokenizerLoad, NumbersPastDoubleRangeAreInvalidInput) {
+  for (const char* text : {"99E777777778", R"({"model": {"type": "BPE", "vocab": {"a": 1e999}}})"}) {
+    try {
+      (void)Tokenizer::from_json(text);
+      ADD_FAILURE() << text << " loaded";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput) << e.what();
+      EXPECT_NE(std::string(e.what()).find("not valid JSON"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lorasync::tok
