@@ -506,6 +506,11 @@ int call_out_of_descriptors(const std::string& url) {
 // the proxy neither counts against the replica nor retries. In a child process (death-test style),
 // since it lowers RLIMIT_NOFILE.
 TEST(HttpPool, RunningOutOfDescriptorsIsALocalError) {
+#ifdef LORASYNC_SANITIZED
+  // Under UBSan, Boost 1.74's service registry reports a vptr error when a service constructor
+  // throws for want of descriptors (inside Asio, before our code sees the error).
+  GTEST_SKIP() << "descriptor exhaustion is exercised in the release build";
+#endif
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   bench::StubOptions so;
   bench::StubReplica stub(so);
