@@ -556,6 +556,9 @@ struct Engine::Impl {
 
     at::NoGradGuard ng;
     auto hidden = model->forward(batch, &lora, pool.get(), &meta);
+    // The forward pass worked: the failure streak ends before any output of this step is
+    // delivered (a client that got its answer must not then see /health still failing).
+    consecutive_failures = 0;
 
     // Which rows produce a token.
     std::vector<std::int64_t> rows;
