@@ -211,6 +211,12 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
     }
   }
 
+  // Out of descriptors, buffers or memory in this process: its fault, not the peer's.
+  static bool is_local_resource_error(const boost::system::error_code& ec) {
+    return ec == net::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system ||
+           ec == net::error::no_buffer_space || ec == net::error::no_memory;
+  }
+
   // connect_impl, with anything it throws (a resolver or socket that cannot be created when the
   // process is out of descriptors) turned into an error: kLocal for resource exhaustion.
   Task<CallError> connect(Conn& c, Clock::time_point deadline, std::string& msg) {
@@ -219,11 +225,7 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
       e = co_await connect_impl(c, deadline, msg);
     } catch (const boost::system::system_error& x) {
       msg = "connect to " + url.str() + " failed: " + x.what();
-      const auto code = x.code();
-      e = code == net::error::no_descriptors || code == boost::system::errc::too_many_files_open_in_system ||
-                  code == net::error::no_buffer_space || code == net::error::no_memory
-              ? CallError::kLocal
-              : CallError::kConnect;
+      e = is_local_resource_error(x.code()) ? CallError::kLocal : CallError::kConnect;
     } catch (const std::bad_alloc&) {
       msg = "connect to " + url.str() + " failed: out of memory";
       e = CallError::kLocal;
@@ -247,9 +249,7 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
     c.lowest().expires_at(limit);
     co_await c.lowest().async_connect(results, net::redirect_error(net::use_awaitable, ec));
     if (ec) {
-      // Out of descriptors, buffers or memory here: this process's fault, not the peer's.
-      if (ec == net::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system ||
-          ec == net::error::no_buffer_space || ec == net::error::no_memory) {
+      if (is_local_resource_error(ec)) {
         msg = "connect to " + url.str() + " failed locally (" + ec.message() + "): this process is out of resources";
         co_return CallError::kLocal;
       }

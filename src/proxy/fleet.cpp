@@ -380,9 +380,34 @@ http::Task<http::Response> Proxy::Impl::handle_fan_in(const http::Request& req, 
 
 // ---- registry bootstrap (a restarted proxy) -------------------------------------------------------
 
+namespace {
+
+struct HeldAdapter {
+  std::string name, root;  // root: the adapter's path as the replica reports it ("" if none)
+};
+
+// The adapters (entries with a parent, not the base model) of a `/v1/models` answer; nullopt when
+// the body is not that shape.
+std::optional<std::vector<HeldAdapter>> adapters_in_models(const std::string& body) {
+  std::vector<HeldAdapter> out;
+  try {
+    auto j = nlohmann::json::parse(body);
+    for (const auto& m : j.at("data")) {
+      if (!m.is_object() || !m.contains("id") || !m["id"].is_string()) continue;
+      if (!m.contains("parent") || m["parent"].is_null()) continue;  // the base model
+      out.push_back({m["id"].get<std::string>(), m.contains("root") && m["root"].is_string() ? m["root"].get<std::string>() : ""});
+    }
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  return out;
+}
+
+}  // namespace
+
 void Proxy::Impl::bootstrap_registry() {
-  // name -> lora_path (vLLM and lorasync serve report an adapter's path as `root`).
-  std::optional<std::vector<std::pair<std::string, std::string>>> common;
+  // Adapters held by every replica that answers (vLLM and lorasync serve report the path as `root`).
+  std::optional<std::vector<HeldAdapter>> common;
   int answered = 0;
   for (const auto& rp : replicas) {
     http::Pool::Full f;
@@ -394,35 +419,26 @@ void Proxy::Impl::bootstrap_registry() {
       continue;
     }
     if (f.status != 200) continue;
-    std::vector<std::pair<std::string, std::string>> held;
-    try {
-      auto j = nlohmann::json::parse(f.body);
-      for (const auto& m : j.at("data")) {
-        if (!m.is_object() || !m.contains("id") || !m["id"].is_string()) continue;
-        if (!m.contains("parent") || m["parent"].is_null()) continue;  // the base model
-        held.emplace_back(m["id"].get<std::string>(), m.contains("root") && m["root"].is_string() ? m["root"].get<std::string>() : "");
-      }
-    } catch (const std::exception&) {
-      continue;
-    }
+    auto held = adapters_in_models(f.body);
+    if (!held) continue;
     ++answered;
     if (!common) {
       common = std::move(held);
     } else {
-      std::erase_if(*common, [&](const auto& a) {
-        return std::none_of(held.begin(), held.end(), [&](const auto& h) { return h.first == a.first; });
+      std::erase_if(*common, [&](const HeldAdapter& a) {
+        return std::none_of(held->begin(), held->end(), [&](const HeldAdapter& h) { return h.name == a.name; });
       });
     }
   }
   if (!common || common->empty()) return;
   {
     std::lock_guard lk(fleet_mu);
-    for (const auto& [name, root] : *common)
-      registry.push_back({name, nlohmann::json{{"lora_name", name}, {"lora_path", root}}.dump(), ++next_seq});
+    for (const auto& a : *common)
+      registry.push_back({a.name, nlohmann::json{{"lora_name", a.name}, {"lora_path", a.root}}.dump(), ++next_seq});
   }
   router.set_registered(registry_names());
   std::vector<std::string> names;
-  for (const auto& a : *common) names.push_back(a.first);
+  for (const auto& a : *common) names.push_back(a.name);
   LS_LOG_INFO("proxy", "adapter registry rebuilt from {} replica(s): {}", answered, fmt::join(names, ", "));
 }
 
@@ -485,17 +501,9 @@ http::Task<bool> Proxy::Impl::resync(int r) {
     auto f = co_await rep.pool->fetch({"GET", "/v1/models", &h, ""}, call_options(cfg.control_timeout, nullptr, true), 4 << 20);
     if (f.error == http::CallError::kNone && f.status == 200) {
       std::vector<std::string> extra;
-      try {
-        auto j = nlohmann::json::parse(f.body);
-        for (const auto& m : j.at("data")) {
-          if (!m.is_object() || !m.contains("id") || !m["id"].is_string()) continue;
-          if (!m.contains("parent") || m["parent"].is_null()) continue;  // the base model
-          const std::string id = m["id"].get<std::string>();
-          if (std::none_of(loads.begin(), loads.end(), [&](const RegisteredAdapter& a) { return a.name == id; }))
-            extra.push_back(id);
-        }
-      } catch (const std::exception&) {
-      }
+      for (const auto& held : adapters_in_models(f.body).value_or(std::vector<HeldAdapter>{}))
+        if (std::none_of(loads.begin(), loads.end(), [&](const RegisteredAdapter& a) { return a.name == held.name; }))
+          extra.push_back(held.name);
       for (const auto& name : extra) {
         std::string body = nlohmann::json{{"lora_name", name}}.dump();
         auto u = co_await rep.pool->fetch({"POST", "/v1/unload_lora_adapter", &h, body}, call_options(cfg.control_timeout, nullptr, true));
@@ -618,15 +626,10 @@ http::Task<void> Proxy::Impl::reconcile_loop() {
         }
         auto f = co_await rp->pool->fetch({"GET", "/v1/models", &h, ""}, call_options(cfg.control_timeout), 4 << 20);
         if (f.error != http::CallError::kNone || f.status != 200) continue;
-        std::vector<std::string> adapters;  // ids with a parent: adapters, not the base model
-        try {
-          auto j = nlohmann::json::parse(f.body);
-          for (const auto& m : j.at("data"))
-            if (m.is_object() && m.contains("id") && m["id"].is_string() && m.contains("parent") && !m["parent"].is_null())
-              adapters.push_back(m["id"].get<std::string>());
-        } catch (const std::exception&) {
-          continue;
-        }
+        auto held = adapters_in_models(f.body);
+        if (!held) continue;
+        std::vector<std::string> adapters;
+        for (const auto& a : *held) adapters.push_back(a.name);
         // Converge both ways: registered adapters present, unregistered ones absent.
         bool has_pending;
         {
