@@ -690,23 +690,16 @@ struct Engine::Impl {
       try {
         abort_group(g, FinishReason::kError, why);  // may erase g
       } catch (const std::exception& e) {
-        // The sink itself failed: drop the group without telling it more.
+        // The sink itself failed: end the group again without telling it more (a null sink
+        // is never called; finished sequences are skipped).
         LS_LOG_ERROR("engine", "{}: ending it failed too ({}); dropped", id, e.what());
-        if (groups.count(id)) {
-          for (auto& s : g->seqs) {
-            release_blocks(s.get());
-            running.erase(std::remove(running.begin(), running.end(), s.get()), running.end());
-            waiting.erase(std::remove(waiting.begin(), waiting.end(), s.get()), waiting.end());
-          }
-          if (g->slot >= 0) {
-            Slot& sl = slots[static_cast<std::size_t>(g->slot)];
-            if (--sl.inflight == 0 && sl.draining) {
-              sl.adapter.reset();
-              sl.draining = false;
-            }
-          }
-          queued_seqs -= g->spec.params.n;
-          groups.erase(id);
+        auto again = groups.find(id);
+        if (again == groups.end()) continue;
+        again->second->spec.sink.reset();
+        try {
+          abort_group(again->second.get(), FinishReason::kError, why);
+        } catch (const std::exception& e2) {
+          LS_LOG_ERROR("engine", "{}: could not be ended: {}", id, e2.what());
         }
       }
     }

@@ -541,7 +541,7 @@ TEST(ServeFaults, OversizedBodiesGetTheir413AndShutdownAnswersKeepAliveRequests)
   EXPECT_EQ(ka.get("/health").status, 200);
   testing::HttpResult longr;
   std::thread t([&] {
-    longr = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 2}}, {"max_tokens", 400}, {"ignore_eos", true}});
+    longr = fx.post("/v1/completions", {{"model", "tiny"}, {"prompt", {1, 2}}, {"max_tokens", 200}, {"ignore_eos", true}});
   });
   for (int i = 0; i < 400; ++i) {
     if (fx.get("/metrics").body.find("lorasync_server_requests_running 1\n") != std::string::npos) break;
