@@ -6,6 +6,7 @@
 #include <sstream>
 #include <variant>
 
+#include "core/tokenizer/unicode.h"
 #include "util/error.h"
 #include "util/files.h"
 
@@ -222,6 +223,9 @@ TrainConfig TrainConfig::parse(const std::string& text, const std::string& label
     const auto eq = o.find('=');
     const auto dot = o.find('.');
     if (eq == std::string::npos) throw_invalid("--set {}: expected section.key=value", o);
+    if (const auto bad = tok::validate_utf8(o); bad != std::string::npos)
+      throw_invalid("--set: the override is not valid UTF-8 (byte {} of \"{}\")", bad,
+                    tok::utf8_lossy(o));
     const std::string path = o.substr(0, eq), value = o.substr(eq + 1);
     const std::string section = dot != std::string::npos && dot < eq ? path.substr(0, dot) : "";
     const std::string key = section.empty() ? path : path.substr(dot + 1);

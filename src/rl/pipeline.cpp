@@ -40,53 +40,7 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-std::uint64_t splitmix(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 }  // namespace
-
-double Group::mean_reward() const {
-  double s = 0;
-  std::int64_t n = 0;
-  for (const auto& m : members)
-    if (m.valid()) s += m.reward, ++n;
-  return n ? s / static_cast<double>(n) : 0.0;
-}
-
-std::int64_t Group::tokens() const {
-  std::int64_t t = 0;
-  for (const auto& m : members) t += static_cast<std::int64_t>(m.ids.size());
-  return t;
-}
-
-std::vector<std::int64_t> epoch_permutation(std::int64_t n, std::int64_t seed, std::int64_t epoch, bool shuffle) {
-  std::vector<std::int64_t> p(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) p[static_cast<std::size_t>(i)] = i;
-  if (!shuffle) return p;
-  std::uint64_t state = splitmix(static_cast<std::uint64_t>(seed) * 0x100000001b3ull ^ splitmix(static_cast<std::uint64_t>(epoch)));
-  for (std::int64_t i = n - 1; i > 0; --i) {  // Fisher-Yates with our own generator: portable
-    state = splitmix(state);
-    const auto j = static_cast<std::int64_t>(state % static_cast<std::uint64_t>(i + 1));
-    std::swap(p[static_cast<std::size_t>(i)], p[static_cast<std::size_t>(j)]);
-  }
-  return p;
-}
-
-std::optional<std::int64_t> parse_version_name(const std::string& name, const std::string& prefix) {
-  const std::string head = prefix + "-v";
-  if (name.size() <= head.size() || name.compare(0, head.size(), head) != 0) return std::nullopt;
-  std::int64_t v = 0;
-  for (std::size_t i = head.size(); i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9' || v > (std::numeric_limits<std::int64_t>::max() / 10 - 9)) return std::nullopt;
-    v = v * 10 + (name[i] - '0');
-  }
-  if (name[head.size()] == '0') return std::nullopt;  // no leading zeros: one name per version
-  return v;
-}
 
 struct Pipeline::Impl {
   PipelineOptions opt;
@@ -108,9 +62,12 @@ struct Pipeline::Impl {
     std::int64_t version = 0;
     std::shared_ptr<http::CancelSignal> cancel;
     bool stale = false;
+    bool backoff = false;       // waiting to retry: no request out; the retry names the current version
+    std::uint64_t ordinal = 0;  // dispatch order
   };
   std::map<std::uint64_t, InFlight> inflight;
-  std::uint64_t next_id = 1, next_seq = 1;
+  std::uint64_t next_id = 1, next_seq = 1, next_ordinal = 1;
+  std::int64_t credit = 0;  // async.ordered: samples the trainer allows to dispatch
   std::int64_t inflight_seqs = 0;
   std::deque<Group> scoring;             // waiting for a worker
   std::map<std::uint64_t, Group> active;  // being scored
@@ -154,6 +111,8 @@ struct Pipeline::Impl {
 
   // A dropped, cancelled or failed prompt goes to the front of the dispatch order, or is abandoned.
   void requeue_locked(const PromptRef& p, const Group* g) {
+    if (opt.cfg.async.ordered) credit += G();  // the step still needs these samples
+    cv_trainer.notify_all();                   // an ordered pop may have waited on this group
     if (opt.cfg.async.requeue_dropped && p.attempt < opt.cfg.async.max_prompt_attempts) {
       cursor.redo.push_front({p.index, p.epoch, p.attempt + 1});
       return;
@@ -198,6 +157,7 @@ struct Pipeline::Impl {
     };
     if (stopping || fatal || current == 0) return std::nullopt;
     if (inflight_seqs + G() > opt.cfg.async.max_inflight) return std::nullopt;
+    if (opt.cfg.async.ordered && credit < G()) return std::nullopt;
     const bool score_full = static_cast<std::int64_t>(scoring.size()) >= opt.cfg.async.score_queue_groups;
     block(score_blocked_since, window.score_block_s, score_full);
     if (score_full) return std::nullopt;
@@ -208,7 +168,8 @@ struct Pipeline::Impl {
     if (budget) return std::nullopt;
     auto p = next_prompt_locked();
     if (!p) return std::nullopt;
-    InFlight f{*p, current, std::make_shared<http::CancelSignal>(), false};
+    InFlight f{*p, current, std::make_shared<http::CancelSignal>(), false, false, next_ordinal++};
+    if (opt.cfg.async.ordered) credit -= G();
     const std::uint64_t id = next_id++;
     inflight.emplace(id, f);
     inflight_seqs += G();
@@ -240,10 +201,10 @@ struct Pipeline::Impl {
     j["return_token_ids"] = true;
     j["stop_token_ids"] = opt.stop_ids;
     if (g.seed_requests) {
-      std::uint64_t h = splitmix(static_cast<std::uint64_t>(opt.cfg.seed));
-      h = splitmix(h ^ static_cast<std::uint64_t>(p.epoch));
-      h = splitmix(h ^ static_cast<std::uint64_t>(p.index));
-      h = splitmix(h ^ static_cast<std::uint64_t>(p.attempt));
+      std::uint64_t h = splitmix64(static_cast<std::uint64_t>(opt.cfg.seed));
+      h = splitmix64(h ^ static_cast<std::uint64_t>(p.epoch));
+      h = splitmix64(h ^ static_cast<std::uint64_t>(p.index));
+      h = splitmix64(h ^ static_cast<std::uint64_t>(p.attempt));
       j["seed"] = static_cast<std::int64_t>(h & 0x7fffffffu);
     }
     return j.dump();
@@ -317,7 +278,7 @@ struct Pipeline::Impl {
     const auto& a = opt.cfg.async;
     std::int64_t retries = 0;
     asio::steady_timer timer(ctx);
-    std::mt19937_64 jitter(splitmix(id));
+    std::mt19937_64 jitter(splitmix64(id));
     http::Headers headers;
     headers.add("Content-Type", "application/json");
     if (!opt.api_key.empty()) headers.add("Authorization", "Bearer " + opt.api_key);
@@ -328,6 +289,7 @@ struct Pipeline::Impl {
         if (stopping) break;
         auto it = inflight.find(id);
         it->second.version = current;  // a retry names the then-current version
+        it->second.backoff = false;
         model_name = versions.at(current).name;
       }
       body = request_body(f.prompt, model_name);
@@ -384,6 +346,7 @@ struct Pipeline::Impl {
         ++window.requests;
         for (const auto& m : g.members) window.generated_tokens += static_cast<std::int64_t>(m.ids.size());
         g.prompt = f.prompt;
+        g.ordinal = f.ordinal;
         inflight_seqs -= G();
         inflight.erase(id);
         g.request_s = dt;
@@ -410,6 +373,7 @@ struct Pipeline::Impl {
           co_return;
         }
         ++counters["rollout/retry_total"];
+        inflight[id].backoff = true;  // a switch meanwhile does not cancel it (nothing to cancel)
       }
       LS_LOG_DEBUG("trainer", "retrying prompt {} ({}): {}", f.prompt.index, retries, why);
       double backoff = std::min(a.retry_backoff_s * std::pow(2.0, static_cast<double>(retries - 1)), a.retry_backoff_max_s);
@@ -503,11 +467,26 @@ struct Pipeline::Impl {
   }
 
   void push_queue_locked(Group g) {
-    g.seq = next_seq++;
+    g.seq = opt.cfg.async.ordered ? g.ordinal : next_seq++;
     g.enqueued_at = now_s();
     queued_samples += static_cast<std::int64_t>(g.members.size());
     queue.emplace(std::make_pair(g.sync_index, g.seq), std::move(g));
     cv_trainer.notify_all();
+  }
+
+  // async.ordered: the next group may leave the queue only when no group dispatched before it is
+  // still on its way (in flight or scoring).
+  bool next_in_order_locked() const {
+    if (queue.empty()) return false;
+    if (!opt.cfg.async.ordered) return true;
+    const std::uint64_t head = queue.begin()->second.ordinal;
+    for (const auto& [id, f] : inflight)
+      if (f.ordinal < head) return false;
+    for (const auto& g : scoring)
+      if (g.ordinal < head) return false;
+    for (const auto& [k, g] : active)
+      if (g.ordinal < head) return false;
+    return true;
   }
 
   bool exhausted_locked() const {
@@ -547,6 +526,7 @@ void Pipeline::restore(PipelineState st) {
   I.current = st.current;
   I.c = st.samples_since_switch;
   for (auto& g : st.groups) {
+    g.ordinal = I.next_ordinal++;  // before anything dispatched by this process
     if (g.scored) I.push_queue_locked(std::move(g));
     else I.scoring.push_back(std::move(g));  // re-scored
   }
@@ -605,14 +585,22 @@ std::optional<Group> Pipeline::pop(double timeout_s) {
   auto& I = *impl_;
   std::unique_lock lk(I.mu);
   I.cv_trainer.wait_for(lk, std::chrono::duration<double>(timeout_s),
-                        [&] { return !I.queue.empty() || I.fatal || I.exhausted_locked() || I.stopping; });
-  if (I.queue.empty()) return std::nullopt;
+                        [&] { return I.next_in_order_locked() || I.fatal || I.exhausted_locked() || I.stopping; });
+  if (!I.next_in_order_locked()) return std::nullopt;
   auto it = I.queue.begin();
   Group g = std::move(it->second);
   I.queue.erase(it);
   I.queued_samples -= static_cast<std::int64_t>(g.members.size());
   I.cv_space.notify_all();
   return g;
+}
+
+void Pipeline::grant(std::int64_t samples) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  if (!I.opt.cfg.async.ordered) return;
+  const std::int64_t ahead = I.queued_samples + I.scoring_samples_locked() + I.inflight_seqs;
+  I.credit = std::max<std::int64_t>(0, samples - ahead);
 }
 
 void Pipeline::unpop(std::vector<Group> groups) {
@@ -665,7 +653,7 @@ void Pipeline::switch_to(std::int64_t version) {
   for (auto& [id, f] : I.inflight) {
     auto it = I.versions.find(f.version);
     const std::int64_t k = it == I.versions.end() ? 0 : it->second.sync_index;
-    if (!f.stale && I.staleness_locked(k) > bound) {
+    if (!f.stale && !f.backoff && I.staleness_locked(k) > bound) {
       f.stale = true;
       auto sig = f.cancel;
       asio::post(I.ctx, [sig] { sig->fire(); });

@@ -54,7 +54,9 @@ struct Group {
   PromptRef prompt;
   std::int64_t version = 0, sync_index = 0;
   std::vector<Member> members;
-  std::uint64_t seq = 0;     // completion order (queue order within a sync index)
+  std::uint64_t seq = 0;     // queue order within a sync index: completion order, or dispatch
+                             // order with async.ordered
+  std::uint64_t ordinal = 0; // dispatch order (this process)
   double enqueued_at = 0;    // seconds (steady clock), for time_in_queue
   double request_s = 0, score_s = 0;
   bool scored = false;
@@ -125,6 +127,11 @@ class Pipeline {
   // Stops dispatch, aborts requests in flight (their prompts go to the redo list), joins threads.
   void stop();
 
+  // async.ordered (trainer.md §1): the trainer allows the dispatch of one step's samples at a time
+  // (less what is already queued, scoring or in flight) and pop() hands groups out in dispatch
+  // order, so a step's groups, their versions and their order do not depend on timing. Without
+  // async.ordered, a no-op.
+  void grant(std::int64_t samples);
   // Trainer: the next group in queue order; waits up to timeout_s. nullopt on timeout, on a
   // fatal error (see fatal()) or when the run is exhausted (exhausted()).
   std::optional<Group> pop(double timeout_s);
@@ -170,6 +177,10 @@ class Pipeline {
 
 // Per-epoch permutation of n prompt positions seeded by (seed, epoch); identity without shuffle.
 std::vector<std::int64_t> epoch_permutation(std::int64_t n, std::int64_t seed, std::int64_t epoch, bool shuffle);
+// SplitMix64: the counter-based generator behind every random choice of the trainer (the epoch
+// permutations, request seeds). The trainer keeps no generator state: each choice is a pure
+// function of (seed, epoch, prompt, attempt), so a checkpoint's seed and cursor restore them all.
+std::uint64_t splitmix64(std::uint64_t x);
 // Parses "<prefix>-v<N>"; nullopt when the name does not match.
 std::optional<std::int64_t> parse_version_name(const std::string& name, const std::string& prefix);
 

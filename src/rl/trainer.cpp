@@ -394,6 +394,7 @@ int Trainer::run() {
       model::LoraAdapter snap = std::move(it->second);
       version_adapters_.erase(it);
       start_sync(step_, &snap);
+      if (cfg_.async.ordered) wait_sync_idle();  // ordered: no step starts during a sync
     }
     pending_sync_version_.reset();
   }
@@ -440,7 +441,8 @@ int Trainer::run() {
       if (step_ % cfg_.sync.weight_sync_steps == 0) {
         sync_wait += wait_sync_idle();  // at most one sync at a time
         start_sync(step_);
-        if (cfg_.sync.blocking) sync_wait += wait_sync_idle();
+        // async.ordered: the next step's groups are dispatched after the switch, never during it
+        if (cfg_.sync.blocking || cfg_.async.ordered) sync_wait += wait_sync_idle();
       }
       // Prune snapshots outside the staleness window (keep pending and loaded ones).
       {

@@ -45,6 +45,7 @@ std::vector<Group> Trainer::assemble_step(double& wait_s) {
 std::vector<Group> Trainer::assemble_step_into(std::vector<Group>& groups, double& wait_s) {
   std::int64_t samples = 0;
   const double t0 = now_s();
+  pipe_->grant(cfg_.batching.samples_per_step);  // async.ordered: this step's groups, and no more
   for (;;) {
     while (samples < cfg_.batching.samples_per_step) {
       if (g_stop_signal.load()) throw Preempted{};

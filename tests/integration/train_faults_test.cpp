@@ -9,11 +9,14 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <thread>
 
+#include "core/tokenizer/tokenizer.h"
 #include "http/server.h"
 #include "util/child_process.h"
 #include "util/files.h"
@@ -216,6 +219,160 @@ TEST(TrainFaults, SigtermNeverWaitsOnAHungReward) {
   EXPECT_EQ(*code, 143) << trainer.stderr_text();
   EXPECT_LT(took, 15.0);
   EXPECT_TRUE(fs::exists(run.out / "checkpoints" / "latest")) << trainer.stderr_text();
+}
+
+// A server whose answer is a function of the request alone (not of time, order or adapter): for
+// "What is N + 1?" member k answers \boxed{N+1} or, for every third (N, k), \boxed{N+2}; fixed
+// logprobs. Adapters are "loaded" by reading their manifest (for the provenance check).
+class DeterministicServer {
+ public:
+  DeterministicServer()
+      : tok_(tok::Tokenizer::load(fs::path(LORASYNC_SHARED_DIR) / "data" / "qwen2-tokenizer")) {
+    http::ServerOptions o;
+    server_ = std::make_unique<http::Server>(o, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
+      http::Response r = handle(req);
+      co_await w.send(std::move(r));
+    });
+    server_->start();
+  }
+  ~DeterministicServer() { server_->stop(1.0); }
+  std::uint16_t port() const { return server_->port(); }
+
+ private:
+  http::Response handle(const http::Request& req) {
+    const std::string path(req.path());
+    std::lock_guard lk(mu_);
+    if (path == "/health") return http::json_response(200, "{}");
+    if (path == "/server_info")
+      return http::json_response(200, json{{"model", "tiny"}, {"dtype", "float32"}, {"max_model_len", 2048},
+                                           {"lora_config", {{"max_loras", 8}, {"max_lora_rank", 16}}},
+                                           {"parallel_config", {{"data_parallel_size", 1}}}}
+                                          .dump());
+    if (path == "/v1/models") {
+      json data = json::array({{{"id", "tiny"}}});
+      for (const auto& [n, sha] : loaded_) data.push_back({{"id", n}});
+      return http::json_response(200, json{{"data", data}}.dump());
+    }
+    json body = json::parse(req.body, nullptr, false);
+    if (path == "/v1/load_lora_adapter") {
+      auto m = json::parse(read_file(fs::path(body["lora_path"].get<std::string>()) / "manifest.json"));
+      loaded_[body["lora_name"]] = m["adapter_sha256"];
+      return http::json_response(200, "\"ok\"");
+    }
+    if (path == "/v1/unload_lora_adapter") {
+      loaded_.erase(body["lora_name"].get<std::string>());
+      return http::json_response(200, "\"ok\"");
+    }
+    if (path != "/v1/completions") return http::json_response(404, "{}");
+    const std::string prompt = tok_.decode(body["prompt"].get<std::vector<std::int32_t>>());
+    std::smatch m;
+    if (!std::regex_search(prompt, m, std::regex(R"(What is (\d+) \+ 1)"))) return http::json_response(400, "{}");
+    const int n = std::stoi(m[1]);
+    const std::string model = body["model"];
+    json choices = json::array();
+    for (int k = 0; k < body["n"].get<int>(); ++k) {
+      const auto ids = tok_.encode("\\boxed{" + std::to_string((n + k) % 3 == 0 ? n + 2 : n + 1) + "}");
+      std::vector<double> lps(ids.size(), -0.3 - 0.05 * k);
+      choices.push_back({{"index", k}, {"text", ""}, {"finish_reason", "stop"}, {"token_ids", ids},
+                         {"logprobs", {{"token_logprobs", lps}}}});
+    }
+    return http::json_response(200, json{{"model", model}, {"choices", choices},
+                                         {"lorasync", {{"adapter", model}, {"adapter_sha256", loaded_[model]}}}}
+                                        .dump());
+  }
+
+  tok::Tokenizer tok_;
+  std::mutex mu_;
+  std::map<std::string, std::string> loaded_;
+  std::unique_ptr<http::Server> server_;
+};
+
+// trainer.md §9 "Checkpoint round trip": with async.ordered and a deterministic server, 6 straight
+// steps equal 3 steps + checkpoint + resume + 3 steps: bit-identical adapter and optimizer state,
+// the same groups in the same order, identical metrics apart from wall-clock ones (perf/*, time,
+// the rollout timings), the restart count and the version number (renumbered at a resume).
+TEST(TrainFaults, OrderedRunResumesBitIdentically) {
+  auto run_to = [&](TrainRun& run, int steps, bool resume) {
+    const std::string cmd = "train " + std::string(resume ? "--resume " : "") + "--config " +
+                            testing::shell_quote(run.config.string()) + " --set max_steps=" + std::to_string(steps);
+    auto r = testing::run_lorasync(cmd);
+    ASSERT_EQ(r.exit_code, 0) << cmd << "\n" << r.err;
+  };
+  DeterministicServer fa, fb;
+  TrainRun a(fa.port(), 6), b(fb.port(), 6);
+  auto patch = [](std::string& text, const std::string& from, const std::string& to) {
+    const auto at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+  };
+  for (TrainRun* r : {&a, &b}) {
+    std::string text = read_file(r->config);
+    patch(text, "max_inflight = 8\nqueue_maxsize = 32\nscore_workers = 1\n",
+          "ordered = true\nmax_inflight = 64\nqueue_maxsize = 64\nscore_workers = 3\n");
+    patch(text, "[checkpoint]\nsave_steps = 100\n", "[checkpoint]\nsave_steps = 3\n");
+    write_file_atomic(r->config, text);
+  }
+  run_to(a, 6, false);
+  run_to(b, 3, false);
+  run_to(b, 6, true);
+
+  const fs::path ca = a.out / "checkpoints" / "step-000006", cb = b.out / "checkpoints" / "step-000006";
+  ASSERT_TRUE(fs::exists(ca / "state.json")) << ca;
+  ASSERT_TRUE(fs::exists(cb / "state.json")) << cb;
+  int compared = 0;
+  for (const auto& e : fs::recursive_directory_iterator(ca)) {
+    if (!e.is_regular_file() || e.path().extension() != ".safetensors") continue;
+    const fs::path other = cb / fs::relative(e.path(), ca);
+    ASSERT_TRUE(fs::exists(other)) << other;
+    std::string x = read_file(e.path()), y = read_file(other);
+    if (e.path().filename() == "versions.safetensors") {
+      // The snapshots are named by version number, which a resume renumbers: compare the data
+      // (laid out in version order), not the header.
+      auto data = [](const std::string& f) {
+        std::uint64_t n = 0;
+        std::memcpy(&n, f.data(), 8);
+        return f.substr(8 + n);
+      };
+      x = data(x), y = data(y);
+      EXPECT_FALSE(x.empty());
+    }
+    EXPECT_TRUE(x == y) << "differs: " << fs::relative(e.path(), ca);
+    ++compared;
+  }
+  EXPECT_GE(compared, 2) << "adapter and optimizer tensors";
+  EXPECT_TRUE(read_file(a.out / "final_adapter" / "adapter_model.safetensors") ==
+              read_file(b.out / "final_adapter" / "adapter_model.safetensors"));
+  auto sa = json::parse(read_file(ca / "state.json")), sb = json::parse(read_file(cb / "state.json"));
+  for (const char* k : {"cursor", "counters", "optimizer_steps", "samples_since_switch", "loss_scaler"})
+    EXPECT_EQ(sa[k], sb[k]) << k;
+
+  // Metrics: the same lines, apart from wall-clock figures, restarts and the version number.
+  auto comparable = [](json m) {
+    for (const char* k : {"time", "restarts", "version", "rollout/generated_tok_s", "rollout/backpressure_s",
+                          "rollout/score_block_s", "rollout/admission_block_s", "rollout/request_s", "rollout/score_s",
+                          "sample/time_in_queue_s"})
+      m.erase(k);
+    for (auto it = m.begin(); it != m.end();) it = it.key().rfind("perf/", 0) == 0 ? m.erase(it) : std::next(it);
+    return m;
+  };
+  auto ma = testing::read_jsonl(a.out / "metrics.jsonl"), mb = testing::read_jsonl(b.out / "metrics.jsonl");
+  ASSERT_EQ(ma.size(), 6u);
+  ASSERT_EQ(mb.size(), 6u);
+  bool learned = false;
+  for (std::size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(comparable(ma[i]), comparable(mb[i])) << "step " << i + 1;
+    if (ma[i].contains("grad_norm") && ma[i]["grad_norm"].is_number() && ma[i]["grad_norm"].get<double>() > 0) learned = true;
+  }
+  EXPECT_TRUE(learned) << "the rewards must vary within groups, or the test compares zeros";
+  // The groups log: the same groups trained in the same order.
+  auto ga = testing::read_jsonl(a.out / "groups.jsonl"), gb = testing::read_jsonl(b.out / "groups.jsonl");
+  ASSERT_EQ(ga.size(), gb.size());
+  for (std::size_t i = 0; i < ga.size(); ++i) {
+    EXPECT_EQ(ga[i]["prompt"], gb[i]["prompt"]) << i;
+    EXPECT_EQ(ga[i]["epoch"], gb[i]["epoch"]) << i;
+    EXPECT_EQ(ga[i]["sync_index"], gb[i]["sync_index"]) << i;
+    EXPECT_EQ(ga[i]["mean_reward"], gb[i]["mean_reward"]) << i;
+  }
 }
 
 }  // namespace

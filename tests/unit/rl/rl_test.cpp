@@ -234,6 +234,9 @@ TEST(TrainConfig, PrecedenceUnknownKeysAndValidation) {
   expect_msg([] { TrainConfig::parse("seed = \"x\"\n", "f.toml"); }, "seed must be an integer");
   expect_msg([] { TrainConfig::parse("[grpo\n", "f.toml"); }, "not valid TOML");
   expect_msg([] { TrainConfig::parse("", "d", {"nope.key=1"}); }, "unknown key nope.key");
+  // A bare word from the command line is a string only when it is UTF-8 (found by the fuzzer:
+  // "a\x80" was kept as bytes, written back as "a\u0080" and read as another value).
+  expect_msg([] { TrainConfig::parse("", "d", {"logging.metrics_bind=a\x80"}); }, "not valid UTF-8 (byte 22");
   auto v = [](std::vector<std::string> sets) { TrainConfig::parse("", "d", std::move(sets)).validate(); };
   expect_msg([&] { v({"batching.samples_per_step=100"}); }, "multiple of grpo.num_generations");
   expect_msg([&] { v({"batching.row_tokens=1000"}); }, "row_tokens");
