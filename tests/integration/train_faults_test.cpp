@@ -226,8 +226,9 @@ TEST(TrainFaults, SigtermNeverWaitsOnAHungReward) {
 // logprobs. Adapters are "loaded" by reading their manifest (for the provenance check).
 class DeterministicServer {
  public:
-  DeterministicServer()
-      : tok_(tok::Tokenizer::load(fs::path(LORASYNC_SHARED_DIR) / "data" / "qwen2-tokenizer")) {
+  // fail_prompt >= 0: the first `fail_count` requests for that problem answer 503.
+  explicit DeterministicServer(int fail_prompt = -1, int fail_count = 0)
+      : fail_prompt_(fail_prompt), fail_count_(fail_count), tok_(tok::Tokenizer::load(fs::path(LORASYNC_SHARED_DIR) / "data" / "qwen2-tokenizer")) {
     http::ServerOptions o;
     server_ = std::make_unique<http::Server>(o, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
       http::Response r = handle(req);
@@ -268,6 +269,10 @@ class DeterministicServer {
     std::smatch m;
     if (!std::regex_search(prompt, m, std::regex(R"(What is (\d+) \+ 1)"))) return http::json_response(400, "{}");
     const int n = std::stoi(m[1]);
+    if (n == fail_prompt_ && fail_count_ > 0) {
+      --fail_count_;
+      return http::json_response(503, R"x({"error":{"message":"overloaded (scripted)"}})x");
+    }
     const std::string model = body["model"];
     json choices = json::array();
     for (int k = 0; k < body["n"].get<int>(); ++k) {
@@ -281,6 +286,7 @@ class DeterministicServer {
                                         .dump());
   }
 
+  int fail_prompt_, fail_count_;
   tok::Tokenizer tok_;
   std::mutex mu_;
   std::map<std::string, std::string> loaded_;
@@ -373,6 +379,38 @@ TEST(TrainFaults, OrderedRunResumesBitIdentically) {
     EXPECT_EQ(ga[i]["sync_index"], gb[i]["sync_index"]) << i;
     EXPECT_EQ(ga[i]["mean_reward"], gb[i]["mean_reward"]) << i;
   }
+}
+
+// A group waiting to retry has no request out: version switches meanwhile must not cancel it as
+// stale (it would lose an attempt for nothing; its retry names the current version). One problem
+// answers 503 three times with 0.5 s backoffs (about 1.5 s) while the others train steps and
+// syncs make its first version stale (max_staleness = 1); the run outlasts it (24 steps).
+TEST(TrainFaults, AGroupInRetryBackoffIsNotCancelledAsStale) {
+  DeterministicServer fake(/*fail_prompt=*/0, /*fail_count=*/3);
+  TrainRun run(fake.port(), 24);
+  std::string text = read_file(run.config);
+  for (auto [from, to] : {std::pair<std::string, std::string>{"retry_backoff_s = 0.01\nretry_backoff_max_s = 0.05\n",
+                                                               "retry_backoff_s = 0.5\nretry_backoff_max_s = 0.5\n"},
+                          {"max_inflight = 8\n", "max_inflight = 64\n"}}) {
+    ASSERT_NE(text.find(from), std::string::npos) << from;
+    text.replace(text.find(from), from.size(), to);
+  }
+  write_file_atomic(run.config, text);
+  auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto last = testing::read_jsonl(run.out / "metrics.jsonl").back();
+  EXPECT_EQ(last["rollout/retry_total"], 3) << last.dump();
+  EXPECT_EQ(last["rollout/cancelled_stale_total"], 0) << last.dump();
+  EXPECT_GE(last["sync_index"].get<int>(), 4) << last.dump();
+  bool trained = false;
+  for (const auto& g : testing::read_jsonl(run.out / "groups.jsonl")) {
+    EXPECT_NE(g["disposition"], "cancelled") << g.dump();
+    if (g["prompt"] == 0 && g["epoch"] == 0 && g["disposition"] == "trained") {
+      trained = true;
+      EXPECT_EQ(g["attempt"], 1) << "no attempt lost: " << g.dump();
+    }
+  }
+  EXPECT_TRUE(trained) << read_file(run.out / "groups.jsonl");
 }
 
 }  // namespace
