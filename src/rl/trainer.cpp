@@ -1,6 +1,7 @@
 #include "rl/trainer.h"
 
 #include "rl/trainer_impl.h"
+#include "rl/server_caps.h"
 
 namespace lorasync::rl {
 
@@ -181,48 +182,46 @@ void Trainer::probe_capabilities() {
            "): the trainer needs it to check LoRA support (vLLM: set VLLM_SERVER_DEV_MODE=1)");
   json info = json::parse(r.body, nullptr, false);
   if (info.is_discarded()) refuse("GET /server_info returned invalid JSON");
-  const json* lora = nullptr;
-  if (info.contains("lora_config")) lora = &info["lora_config"];
-  else if (info.contains("vllm_config") && info["vllm_config"].contains("lora_config")) lora = &info["vllm_config"]["lora_config"];
-  if (!lora || lora->is_null())
+  ServerCaps caps;
+  try {
+    caps = parse_server_info(info);
+  } catch (const Error& e) {
+    refuse(e.what());
+  }
+  const std::int64_t need = cfg_.async.max_staleness + 2;
+  if (!caps.lora_enabled)
     refuse("the server has LoRA disabled (lora_config is null): start `lorasync serve` with --max-loras >= " +
-           std::to_string(cfg_.async.max_staleness + 2) + " (vLLM: --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)");
-  const auto max_rank = lora->value("max_lora_rank", std::int64_t{0});
-  if (max_rank < cfg_.lora.rank)
+           std::to_string(need) + " (vLLM: --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)");
+  if (caps.max_lora_rank < cfg_.lora.rank)
     refuse(fmt::format("the server's max_lora_rank is {} but lora.rank is {}: restart the server with --max-lora-rank {} "
-                       "(or lower lora.rank)", max_rank, cfg_.lora.rank, cfg_.lora.rank));
-  const auto max_loras = lora->value("max_loras", std::int64_t{0});
-  std::int64_t need = cfg_.async.max_staleness + 2;
-  if (max_loras < need)
+                       "(or lower lora.rank)", caps.max_lora_rank, cfg_.lora.rank, cfg_.lora.rank));
+  if (caps.max_loras < need)
     refuse(fmt::format("the server's max_loras is {} but the run needs max_staleness + 2 = {} adapter slots: restart the "
-                       "server with --max-loras {} (or lower async.max_staleness)", max_loras, need, need));
-  if (lora->contains("max_cpu_loras") && (*lora)["max_cpu_loras"].is_number() && (*lora)["max_cpu_loras"].get<std::int64_t>() < need)
-    refuse(fmt::format("the server's max_cpu_loras is {} but the run needs {}: raise --max-cpu-loras", (*lora)["max_cpu_loras"].get<std::int64_t>(), need));
-  if (lora->contains("target_modules") && (*lora)["target_modules"].is_array()) {
-    std::set<std::string> supported;
-    for (const auto& t : (*lora)["target_modules"]) supported.insert(t.get<std::string>());
+                       "server with --max-loras {} (or lower async.max_staleness)", caps.max_loras, need, need));
+  if (caps.max_cpu_loras && *caps.max_cpu_loras < need)
+    refuse(fmt::format("the server's max_cpu_loras is {} but the run needs {}: raise --max-cpu-loras", *caps.max_cpu_loras, need));
+  if (caps.target_modules) {
+    const std::set<std::string> supported(caps.target_modules->begin(), caps.target_modules->end());
     for (auto m : model::LoraConfig::parse_targets(cfg_.lora.target_modules))
       if (!supported.count(std::string(model::lora_module_name(m))))
         refuse("lora.target_modules includes " + std::string(model::lora_module_name(m)) + ", which the server does not support");
   }
-  const json* par = info.contains("parallel_config") ? &info["parallel_config"] : nullptr;
-  if (par && par->value("data_parallel_size", 1) > 1)
+  if (caps.data_parallel_size > 1)
     refuse("the server runs data_parallel_size > 1: an adapter load would reach one rank only; run one replica per "
            "process behind `lorasync proxy`");
-  const auto mml = info.value("max_model_len", std::int64_t{0});
-  if (mml > 0 && mml < cfg_.generation.context_len)
+  if (caps.max_model_len > 0 && caps.max_model_len < cfg_.generation.context_len)
     refuse(fmt::format("the server's max_model_len is {} but generation.context_len is {}: restart it with "
-                       "--max-model-len {} (or lower generation.context_len)", mml, cfg_.generation.context_len, cfg_.generation.context_len));
-  served_model_ = info.value("model", std::string());
+                       "--max-model-len {} (or lower generation.context_len)", caps.max_model_len, cfg_.generation.context_len,
+                       cfg_.generation.context_len));
+  served_model_ = caps.served_name;
   if (!cfg_.model.served_name.empty() && served_model_ != cfg_.model.served_name)
     refuse("the server serves model '" + served_model_ + "' but model.served_name is '" + cfg_.model.served_name +
            "': point generation.server_url at the right server or fix model.served_name");
-  if (info.contains("base_model_sha256") && info["base_model_sha256"].is_string() && info["base_model_sha256"] != base_sha_)
-    refuse("the server's base model (sha256 " + info["base_model_sha256"].get<std::string>().substr(0, 12) +
+  if (caps.base_model_sha256 && *caps.base_model_sha256 != base_sha_)
+    refuse("the server's base model (sha256 " + caps.base_model_sha256->substr(0, 12) +
            "...) is not the trainer's model.path (" + base_sha_.substr(0, 12) + "...): both must load the same weights");
-  const std::string sdtype = info.value("dtype", std::string());
-  if (!sdtype.empty() && sdtype != model::dtype_name(model_->dtype()))
-    LS_LOG_WARN("trainer", "the servers compute in {} but model.dtype is {}: expect ratio != 1", sdtype, model::dtype_name(model_->dtype()));
+  if (!caps.dtype.empty() && caps.dtype != model::dtype_name(model_->dtype()))
+    LS_LOG_WARN("trainer", "the servers compute in {} but model.dtype is {}: expect ratio != 1", caps.dtype, model::dtype_name(model_->dtype()));
 }
 
 void Trainer::unload_leftovers(const std::set<std::int64_t>& keep) {

@@ -3,6 +3,7 @@
 // seeded epoch permutation; checkpoint round trip bit-exact and incomplete checkpoints skipped;
 // Prometheus text.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <set>
@@ -13,6 +14,8 @@
 #include "rl/checkpoint.h"
 #include "rl/metrics_endpoint.h"
 #include "rl/pipeline.h"
+#include "rl/server_caps.h"
+#include "util/error.h"
 #include "util/files.h"
 
 namespace lorasync::rl {
@@ -226,6 +229,73 @@ TEST(TrainerParts, PrometheusText) {
   EXPECT_NE(t.find("# TYPE lorasync_trainer_ratio_min gauge\nlorasync_trainer_ratio_min 0.5\n"), std::string::npos) << t;
   EXPECT_NE(t.find("# TYPE lorasync_trainer_rollout_retry_total counter"), std::string::npos);
   EXPECT_EQ(t.find("bad"), std::string::npos);
+}
+
+// The capability probe reads both shapes of /server_info: vLLM's (everything under vllm_config,
+// dtypes as torch names, served_model_name a list or null) and lorasync's flat one.
+TEST(ServerCaps, ReadsVllmNestedAndLorasyncFlatShapes) {
+  using nlohmann::json;
+  // The shape of vLLM's `GET /server_info?config_format=json` (VLLM_SERVER_DEV_MODE=1), trimmed.
+  const json vllm = json::parse(R"({
+    "vllm_config": {
+      "model_config": {"model": "/models/Qwen2.5-Math-1.5B", "served_model_name": ["qwen-math", "alias"],
+                       "max_model_len": 4096, "dtype": "torch.bfloat16", "seed": 0},
+      "lora_config": {"max_lora_rank": 64, "max_loras": 6, "max_cpu_loras": null, "lora_dtype": "auto",
+                      "fully_sharded_loras": false},
+      "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 2},
+      "cache_config": {"block_size": 16}
+    },
+    "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": true},
+    "system_env": {}
+  })");
+  ServerCaps v = parse_server_info(vllm);
+  EXPECT_TRUE(v.vllm);
+  EXPECT_TRUE(v.lora_enabled);
+  EXPECT_EQ(v.max_loras, 6);
+  EXPECT_EQ(v.max_lora_rank, 64);
+  EXPECT_FALSE(v.max_cpu_loras.has_value());
+  EXPECT_FALSE(v.target_modules.has_value());
+  EXPECT_EQ(v.data_parallel_size, 2);
+  EXPECT_EQ(v.max_model_len, 4096);
+  EXPECT_EQ(v.served_name, "qwen-math");
+  EXPECT_EQ(v.dtype, "bfloat16");
+  EXPECT_FALSE(v.base_model_sha256.has_value());
+  // No served_model_name: the model path is the name; LoRA disabled is a null lora_config.
+  json plain = vllm;
+  plain["vllm_config"]["model_config"]["served_model_name"] = nullptr;
+  plain["vllm_config"]["lora_config"] = nullptr;
+  plain["vllm_config"]["model_config"]["dtype"] = "torch.float16";
+  ServerCaps p = parse_server_info(plain);
+  EXPECT_EQ(p.served_name, "/models/Qwen2.5-Math-1.5B");
+  EXPECT_FALSE(p.lora_enabled);
+  EXPECT_EQ(p.dtype, "float16");
+  plain["vllm_config"]["model_config"]["served_model_name"] = "one-name";
+  EXPECT_EQ(parse_server_info(plain).served_name, "one-name");
+
+  const json flat = json::parse(R"({"model": "tiny", "dtype": "float32", "max_model_len": 2048,
+    "lora_config": {"max_loras": 8, "max_lora_rank": 16, "target_modules": ["q_proj", "v_proj"]},
+    "parallel_config": {"data_parallel_size": 1}, "base_model_sha256": "ab12"})");
+  ServerCaps f = parse_server_info(flat);
+  EXPECT_FALSE(f.vllm);
+  EXPECT_EQ(f.served_name, "tiny");
+  EXPECT_EQ(f.max_loras, 8);
+  ASSERT_TRUE(f.target_modules.has_value());
+  EXPECT_EQ(f.target_modules->size(), 2u);
+  EXPECT_EQ(f.data_parallel_size, 1);
+  EXPECT_EQ(f.base_model_sha256.value_or(""), "ab12");
+
+  // Wrong types are refused with the key's name, never read as 0.
+  for (auto [bad, key] : {std::pair<json, std::string>{json::parse(R"({"lora_config": {"max_loras": "6"}})"), "max_loras"},
+                          {json::parse(R"({"vllm_config": {"model_config": {"max_model_len": 1.5}}})"), "max_model_len"},
+                          {json::parse(R"({"lora_config": 3})"), "lora_config"},
+                          {json::parse("[]"), "object"}}) {
+    try {
+      parse_server_info(bad);
+      ADD_FAILURE() << bad.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
