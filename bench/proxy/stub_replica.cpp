@@ -187,6 +187,7 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
     std::string name = j["lora_name"].get<std::string>();
     std::string lpath = j.value("lora_path", std::string("/nowhere"));
     int fail = load_fail_status.load();
+    if (const double d = load_delay_s.load(); d > 0) co_await nap(d);
     std::unique_lock lk(mu_);
     if (load_tries_++ < opts_.no_adapter_found_first) {
       lk.unlock();

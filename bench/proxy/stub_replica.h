@@ -57,6 +57,7 @@ class StubReplica {
   std::atomic<bool> hang{false};          // completions never answer (until the client leaves)
   std::atomic<double> latency_s{0};
   std::atomic<int> load_fail_status{0};
+  std::atomic<double> load_delay_s{0};    // a load answers after this long (a slow disk)
   // Completions for a model that is neither the base ("m" or "base") nor loaded answer 404.
   std::atomic<bool> strict_models{false};
 

@@ -47,6 +47,15 @@ http::Task<void> for_all(const std::vector<int>& idx, F fn) {
   while (done->load() < static_cast<int>(idx.size())) co_await sleep_for(0.001);
 }
 
+// Marks a fleet operation: bumps fleet_epoch on the way out, while fleet_lock is still held.
+struct EpochBump {
+  Proxy::Impl& p;
+  ~EpochBump() {
+    std::lock_guard lk(p.fleet_mu);
+    ++p.fleet_epoch;
+  }
+};
+
 }  // namespace
 
 std::vector<std::string> Proxy::Impl::registry_names() const {
@@ -103,6 +112,7 @@ http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, co
     AsyncMutex& m;
     ~Unlock() { m.unlock(); }
   } unlock{fleet_lock};
+  EpochBump bump{*this};  // destroyed before `unlock`
 
   const int N = static_cast<int>(replicas.size());
   std::vector<TargetResult> res(static_cast<std::size_t>(N));
@@ -254,6 +264,7 @@ http::Task<http::Response> Proxy::Impl::handle_broadcast(const http::Request& re
     AsyncMutex& m;
     ~Unlock() { m.unlock(); }
   } unlock{fleet_lock};
+  EpochBump bump{*this};  // destroyed before `unlock`
   if (unload && !name.empty()) {
     {
       std::lock_guard lk(fleet_mu);
@@ -448,6 +459,51 @@ http::Task<bool> Proxy::Impl::resync(int r) {
   Replica& rep = *replicas[static_cast<std::size_t>(r)];
   set_state(r, ReplicaState::kSyncing, "re-sync");
   router.purge_replica(r);
+  bool ok = false;
+  for (int pass = 0; pass < 4 && !stopping.load(); ++pass) {
+    std::uint64_t epoch0;
+    {
+      std::lock_guard lk(fleet_mu);
+      epoch0 = fleet_epoch;
+    }
+    ok = co_await resync_pass(r);  // slow: loads, unloads, pause; no fleet lock held
+    if (!ok) break;
+    // Commit under the fleet lock, held for this check only: an operation that ran meanwhile
+    // skipped this replica (it was syncing), so converge again.
+    co_await fleet_lock.lock();
+    struct Unlock {
+      AsyncMutex& m;
+      ~Unlock() { m.unlock(); }
+    } unlock{fleet_lock};
+    {
+      std::lock_guard lk(fleet_mu);
+      if (fleet_epoch != epoch0) {
+        ok = false;
+        continue;
+      }
+    }
+    // Ejected meanwhile (from any state): it stays out; its next re-sync starts over.
+    int expected = static_cast<int>(ReplicaState::kSyncing);
+    if (!rep.state.compare_exchange_strong(expected, static_cast<int>(ReplicaState::kInService))) {
+      ok = false;
+      break;
+    }
+    {
+      std::lock_guard lk(rep.mu);
+      rep.consecutive_ejections = 0;
+    }
+    rep.consecutive_failures.store(0);
+    LS_LOG_INFO("proxy", "replica {} ({}) syncing -> in_service (re-synced{})", r, rep.url_str,
+                pass ? fmt::format(" in {} passes", pass + 1) : "");
+    break;
+  }
+  metrics.inc("resyncs_total", "replica=\"" + std::to_string(r) + "\",result=\"" + (ok ? "ok" : "failed") + "\"");
+  if (!ok) eject(r, "resync_failed");
+  co_return ok;
+}
+
+http::Task<bool> Proxy::Impl::resync_pass(int r) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
   http::Headers h;
   h.add("Content-Type", "application/json");
   if (!cfg.upstream_token.empty()) h.add("Authorization", "Bearer " + cfg.upstream_token);
@@ -520,18 +576,6 @@ http::Task<bool> Proxy::Impl::resync(int r) {
     auto f = co_await rep.pool->fetch({"POST", target, &h, ""}, call_options(cfg.control_timeout, nullptr, true));
     ok = f.error == http::CallError::kNone && (f.status == 200 || (!pause && f.status == 404));
   }
-  metrics.inc("resyncs_total", "replica=\"" + std::to_string(r) + "\",result=\"" + (ok ? "ok" : "failed") + "\"");
-  if (ok) {
-    {
-      std::lock_guard lk(rep.mu);
-      rep.consecutive_ejections = 0;
-    }
-    rep.consecutive_failures.store(0);
-    set_state(r, ReplicaState::kInService, "re-synced");
-  } else {
-    rep.state.store(static_cast<int>(ReplicaState::kInService));  // let eject() run its bookkeeping
-    eject(r, "resync_failed");
-  }
   co_return ok;
 }
 
@@ -573,7 +617,6 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
         else note_failure(r, f.error != http::CallError::kNone ? http::call_error_name(f.error) : "probe_status", true);
       } else if (rep.get() == ReplicaState::kProbing) {
         if (!healthy) {
-          rep.state.store(static_cast<int>(ReplicaState::kInService));
           eject(r, "probe_failed");
         } else {
           int n;
@@ -582,11 +625,6 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
             n = ++rep.probe_successes;
           }
           if (n >= cfg.recover_after) {
-            co_await fleet_lock.lock();
-            struct Unlock {
-              AsyncMutex& m;
-              ~Unlock() { m.unlock(); }
-            } unlock{fleet_lock};
             co_await resync(r);
           } else {
             next_probe = Clock::now() + std::min(interval, std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(200)));
@@ -608,20 +646,23 @@ http::Task<void> Proxy::Impl::reconcile_loop() {
   if (!cfg.upstream_token.empty()) h.add("Authorization", "Bearer " + cfg.upstream_token);
   while (!stopping.load()) {
     co_await sleep_for(cfg.reconcile_interval);
-    if (stopping.load() || !fleet_lock.try_lock()) continue;
-    struct Unlock {
-      AsyncMutex& m;
-      ~Unlock() { m.unlock(); }
-    } unlock{fleet_lock};
+    if (stopping.load()) continue;
     // A background loop outlives any one failure (a malformed answer, an allocation failure):
     // log it and carry on at the next interval.
+    std::vector<int> todo;
     try {
+      // Detection under the fleet lock (no load or unload half done); the re-syncs after it.
+      if (!fleet_lock.try_lock()) continue;
+      struct Unlock {
+        AsyncMutex& m;
+        ~Unlock() { m.unlock(); }
+      } unlock{fleet_lock};
       auto names = registry_names();
       for (auto& rp : replicas) {
         if (rp->get() != ReplicaState::kInService) continue;
         if (rp->needs_resync.exchange(false)) {
           LS_LOG_WARN("proxy", "replica {} answered 404 for a registered adapter; re-syncing", rp->index);
-          co_await resync(rp->index);
+          todo.push_back(rp->index);
           continue;
         }
         auto f = co_await rp->pool->fetch({"GET", "/v1/models", &h, ""}, call_options(cfg.control_timeout), 4 << 20);
@@ -642,12 +683,14 @@ http::Task<void> Proxy::Impl::reconcile_loop() {
         if (missing || extra) {
           LS_LOG_WARN("proxy", "replica {} {}; re-syncing", rp->index,
                       missing ? "lost registered adapters" : "holds adapters the fleet unloaded");
-          co_await resync(rp->index);
+          todo.push_back(rp->index);
         }
       }
     } catch (const std::exception& e) {
       LS_LOG_ERROR("proxy", "reconciliation pass failed: {}", e.what());
+      continue;
     }
+    if (!todo.empty()) co_await for_all(todo, [this](int r) -> http::Task<void> { co_await resync(r); });
   }
 }
 

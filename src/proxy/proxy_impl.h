@@ -98,6 +98,10 @@ class Proxy::Impl {
   std::vector<RegisteredAdapter> registry;
   std::uint64_t next_seq = 0;
   std::optional<std::string> pause_target;  // path+query of the fleet pause intent
+  // Bumped by every fleet operation (load, unload, pause, ...) before it releases fleet_lock. A
+  // re-sync runs without the lock and commits only if no operation ran meanwhile (one that did
+  // skipped the syncing replica): otherwise it converges again.
+  std::uint64_t fleet_epoch = 0;
 
   // proxy.cpp
   http::Task<void> handle(http::Request& req, http::ResponseWriter& w);
@@ -114,7 +118,10 @@ class Proxy::Impl {
   http::Task<void> health_loop(int r);
   http::Task<void> reconcile_loop();
   http::Task<void> stats_log_loop();
-  http::Task<bool> resync(int r);  // caller holds fleet_lock
+  // Converges replica r to the fleet's intended state (syncing meanwhile) and puts it in service,
+  // or ejects it. Never holds fleet_lock across a call to the replica.
+  http::Task<bool> resync(int r);
+  http::Task<bool> resync_pass(int r);
   void note_failure(int r, const std::string& kind, bool routed_or_probe);
   void note_success(int r);
   void eject(int r, const std::string& reason);

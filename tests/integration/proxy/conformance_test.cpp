@@ -359,6 +359,29 @@ TEST(ProxyConformance, RejoiningReplicaConvergesToTheFleetState) {
       << json(f.stubs[0]->loaded()).dump();
 }
 
+// A re-sync never holds the fleet: while one replica's re-sync waits on a slow load, a fleet load
+// completes on the others at once (the syncing replica is skipped), and the re-sync then converges
+// again to include it (the fleet's epoch moved) before the replica returns to service.
+TEST(ProxyConformance, AReSyncNeverHoldsTheFleetLockAndConvergesToLaterOperations) {
+  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.1; });
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
+  f.stubs[1]->load_delay_s = 3.0;
+  f.stubs[1]->forget_adapters();  // reconciliation finds policy-v1 missing: re-sync, a 3 s load
+  auto state = [&](int r) { return json::parse(call(f.port(), "GET", "/proxy/stats").body)["upstreams"][r]["state"]; };
+  ASSERT_TRUE(eventually([&] { return state(1) == "syncing"; }));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v2","lora_path":"/b/2"})");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(state(1), "syncing") << "the load waited for the re-sync (" << took << " s)";
+  EXPECT_EQ(json::parse(r.body)["skipped"], 1) << r.body;
+  EXPECT_EQ(f.stubs[0]->loaded(), (std::vector<std::string>{"policy-v1", "policy-v2"}));
+  f.stubs[1]->load_delay_s = 0.0;
+  EXPECT_TRUE(eventually([&] { return state(1) == "in_service"; }));
+  EXPECT_EQ(f.stubs[1]->loaded(), (std::vector<std::string>{"policy-v1", "policy-v2"}))
+      << "a replica returns to service only in the fleet's current state";
+}
+
 // A routed 404 for a registered adapter (the replica restarted and lost it) goes to another
 // replica, and the one that lost it is re-synced.
 TEST(ProxyConformance, RoutedNotFoundForARegisteredAdapterRetriesAndResyncs) {
