@@ -29,6 +29,7 @@
 #include "http/server.h"
 #include "util/error.h"
 #include "util/log.h"
+#include "util/process.h"
 
 namespace lorasync::http {
 
@@ -202,6 +203,9 @@ class Server::Impl {
   std::uint64_t next_id = 0;
   std::atomic<int> active{0};
   std::atomic<bool> stopping{false};
+  std::size_t conn_cap = 0;  // set by start()
+  std::atomic<std::uint64_t> refused{0};
+  std::chrono::steady_clock::time_point last_accept_warning{};
   bool stop_started = false, stopped = false;
 
   void for_each_session(const std::function<void(std::shared_ptr<Session>)>& f) {
@@ -222,22 +226,62 @@ class Server::Impl {
       if (stopping.load()) co_return;
       if (ec) {
         if (ec == net::error::operation_aborted) co_return;
-        LS_LOG_WARN("http", "accept failed: {}", ec.message());
+        // Out of descriptors (EMFILE/ENFILE) and the like: the connection stays in the backlog;
+        // retry shortly, and say so at most once a second.
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last_accept_warning > std::chrono::seconds(1)) {
+          last_accept_warning = now;
+          LS_LOG_WARN("http", "accept failed: {} ({} connections open)", ec.message(), open_connections());
+        }
         net::steady_timer t(ioc, std::chrono::milliseconds(50));
         co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
         continue;
       }
       sock.set_option(tcp::no_delay(true), ec);
       auto s = std::make_shared<Session>(std::move(sock));
-      std::uint64_t id;
+      std::uint64_t id = 0;
+      bool full = false;
       {
         std::lock_guard lk(mu);
-        id = ++next_id;
-        sessions[id] = s;
+        full = sessions.size() >= conn_cap;
+        if (!full) {
+          id = ++next_id;
+          sessions[id] = s;
+        }
+      }
+      if (full) {
+        refused.fetch_add(1);
+        net::co_spawn(s->stream.get_executor(), refuse(s), net::detached);
+        continue;
       }
       { beast::error_code e2; auto ep = s->stream.socket().remote_endpoint(e2); LS_LOG_DEBUG("http", "accepted {} port {}", id, ep.port()); }
       net::co_spawn(s->stream.get_executor(), run_session(s, id), net::detached);
     }
+  }
+
+  std::size_t open_connections() {
+    std::lock_guard lk(mu);
+    return sessions.size();
+  }
+
+  // At the connection cap: a canned 503 (the client learns why and when to retry; a proxy retries
+  // elsewhere), then close. Written without reading the request; bounded by a 2 s timeout.
+  net::awaitable<void> refuse(std::shared_ptr<Session> s) {
+    static const std::string kBody =
+        R"({"error":{"message":"server at its connection limit; retry shortly","type":"server_error","param":null,"code":503}})";
+    static const std::string kReply = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                      "Retry-After: 1\r\nConnection: close\r\nContent-Length: " +
+                                      std::to_string(kBody.size()) + "\r\n\r\n" + kBody;
+    beast::error_code ec;
+    s->stream.expires_after(std::chrono::seconds(2));
+    co_await net::async_write(s->stream, net::buffer(kReply), net::redirect_error(net::use_awaitable, ec));
+    s->stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+    // Let the client read the answer before the close (a reset could discard it): wait briefly
+    // for its end of stream, reading and discarding what it sent.
+    char buf[4096];
+    for (int i = 0; i < 64 && !ec; ++i)
+      co_await s->stream.async_read_some(net::buffer(buf), net::redirect_error(net::use_awaitable, ec));
+    s->close();
   }
 
   net::awaitable<void> watch(std::shared_ptr<Session> s, std::shared_ptr<WatchState> ws, Writer* w) {
@@ -409,6 +453,7 @@ void Server::start() {
   if (!ec) I.acceptor->listen(net::socket_base::max_listen_connections, ec);
   if (ec) throw_env("cannot listen on {}:{}: {}", I.opts.host, I.opts.port, ec.message());
   I.bound_port = I.acceptor->local_endpoint().port();
+  I.conn_cap = I.opts.max_connections ? I.opts.max_connections : connection_budget(1);
   net::co_spawn(I.ioc, I.accept_loop(), net::detached);
   int n = std::max(1, I.opts.threads);
   for (int i = 0; i < n; ++i)
@@ -422,6 +467,9 @@ void Server::start() {
 }
 
 std::uint16_t Server::port() const { return impl_->bound_port; }
+std::size_t Server::open_connections() const { return impl_->open_connections(); }
+std::size_t Server::max_connections() const { return impl_->conn_cap; }
+std::uint64_t Server::refused_connections() const { return impl_->refused.load(); }
 int Server::active_requests() const { return impl_->active.load(); }
 boost::asio::io_context& Server::io() { return impl_->ioc; }
 

@@ -6,6 +6,8 @@
 // Limits: headers > max_header_bytes -> 431; body > max_body_bytes -> 413 as soon as
 // Content-Length or the bytes read exceed it (then the connection closes). A request's headers and
 // body must arrive within client_timeout; an idle keep-alive connection closes after idle_timeout.
+// Connections: at most max_connections open; past it a new one is answered 503 and closed. An
+// accept that fails (out of descriptors) is retried after 50 ms, logged at most once a second.
 // Client disconnect: while the handler runs, a readiness wait on the socket notices the peer
 // closing (also before any response byte) and fires ResponseWriter::client_gone().
 // Shutdown: stop() closes the acceptor and idle connections, lets running requests finish (their
@@ -39,6 +41,10 @@ struct ServerOptions {
   double client_timeout_s = 60;                  // headers + body of one request
   double idle_timeout_s = 75;                    // idle keep-alive connection
   double write_timeout_s = 60;                   // one write to a client that stopped reading
+  // Open connections at most; past it a new connection gets 503 (Retry-After: 1,
+  // Connection: close) and is closed, instead of the process running out of descriptors.
+  // 0: util connection_budget(1), from the open-file limit.
+  std::size_t max_connections = 0;
 };
 
 // How a handler answers. Either send() once, or start() + write()* + finish(). Writes return
@@ -77,6 +83,10 @@ class Server {
   void wait();
   // Requests being handled now.
   int active_requests() const;
+  // Open connections now; the cap in force (after start()); connections refused at the cap.
+  std::size_t open_connections() const;
+  std::size_t max_connections() const;
+  std::uint64_t refused_connections() const;
 
   // The server's io_context, e.g. to co_spawn background coroutines (probes).
   boost::asio::io_context& io();

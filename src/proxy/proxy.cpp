@@ -16,6 +16,7 @@
 #include "proxy/proxy_impl.h"
 #include "util/error.h"
 #include "util/log.h"
+#include "util/process.h"
 #include "util/sha256.h"
 
 namespace lorasync::proxy {
@@ -126,6 +127,11 @@ Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)
   so.threads = static_cast<int>(cfg.threads);
   so.max_body_bytes = static_cast<std::uint64_t>(cfg.max_body_bytes);
   so.client_timeout_s = cfg.client_timeout;
+  // Each client connection may hold an upstream one too (at most conn_limit in all).
+  const std::size_t budget = connection_budget(1), upstream = static_cast<std::size_t>(cfg.conn_limit);
+  so.max_connections = cfg.max_connections > 0 ? static_cast<std::size_t>(cfg.max_connections)
+                       : budget > upstream + 16 ? budget - upstream
+                                                : 16;
   so.idle_timeout_s = 75;
   server = std::make_unique<http::Server>(so, [this](http::Request& rq, http::ResponseWriter& w) { return handle(rq, w); });
 }

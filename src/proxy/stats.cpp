@@ -161,6 +161,12 @@ std::string Proxy::Impl::metrics_text() const {
     out += P + "prefix_blocks_total{adapter=\"" + esc(a.name) + "\",kind=\"matched\"} " + std::to_string(a.blocks_matched) + "\n";
   }
   out += "# TYPE " + P + "client_aborts_total counter\n" + P + "client_aborts_total " + std::to_string(client_aborts.load()) + "\n";
+  if (server) {
+    out += "# TYPE " + P + "open_connections gauge\n" + P + "open_connections " + std::to_string(server->open_connections()) + "\n";
+    out += "# TYPE " + P + "max_connections gauge\n" + P + "max_connections " + std::to_string(server->max_connections()) + "\n";
+    out += "# TYPE " + P + "connections_refused_total counter\n" + P + "connections_refused_total " +
+           std::to_string(server->refused_connections()) + "\n";
+  }
   // Metrics holds everything else (requests_total, routed_total, route_decisions_total, ...).
   std::string rest;
   metrics.render(rest, P);

@@ -246,6 +246,11 @@ std::string ApiServer::Impl::metrics() const {
   counter("engine_command_failures_total", "engine commands that failed", static_cast<double>(s.command_failures));
   counter("requests_rejected_queue_full_total", "requests answered 429 (--max-queued-seqs)", static_cast<double>(s.rejected_queue_full));
   gauge("engine_healthy", "1 when /health answers 200", engine->health().healthy ? 1.0 : 0.0);
+  if (http) {
+    gauge("http_open_connections", "client connections open", static_cast<double>(http->open_connections()));
+    gauge("http_max_connections", "connection cap (--max-connections)", static_cast<double>(http->max_connections()));
+    counter("http_connections_refused_total", "connections answered 503 at the cap", static_cast<double>(http->refused_connections()));
+  }
   o += "# HELP lorasync_server_adapter_requests_total requests per model (base or adapter)\n"
        "# TYPE lorasync_server_adapter_requests_total counter\n";
   for (const auto& [m, n] : s.requests_by_model)
@@ -570,6 +575,7 @@ ApiServer::ApiServer(ServeOptions o) : impl_(std::make_unique<Impl>()) {
   so.port = I.opt.port;
   so.threads = std::max(1, I.opt.http_threads);
   so.max_body_bytes = I.opt.max_body_bytes;
+  so.max_connections = I.opt.max_connections;
   Impl* ip = &I;
   I.http = std::make_unique<http::Server>(so, [ip](http::Request& req, http::ResponseWriter& w) -> Task<void> {
     return ip->handle(req, w);

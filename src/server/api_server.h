@@ -38,6 +38,7 @@ struct ServeOptions {
   int http_threads = 2;
   double shutdown_grace_s = 30;
   std::uint64_t max_body_bytes = 64ull << 20;  // the proxy's default too
+  std::size_t max_connections = 0;          // 0: from the open-file limit; more: 503
   std::int64_t max_queued_seqs = 0;         // 0 = max(4096, 16 x max_num_seqs); more: 429
   double step_timeout_s = 120;              // /health answers 503 while a step runs longer
 };

@@ -1,6 +1,9 @@
 #include "util/process.h"
 
 #include <malloc.h>
+#include <sys/resource.h>
+
+#include <algorithm>
 
 namespace lorasync {
 
@@ -12,6 +15,23 @@ void configure_process() {
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = std::min<rlim_t>(rl.rlim_max, 1 << 20);
+    setrlimit(RLIMIT_NOFILE, &rl);  // best effort: the limit stays as it was on failure
+  }
+}
+
+std::size_t open_file_limit() {
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return 1024;
+  return static_cast<std::size_t>(rl.rlim_cur);
+}
+
+std::size_t connection_budget(std::size_t per_connection) {
+  const std::size_t n = open_file_limit();
+  const std::size_t reserve = 64 + n / 8;
+  return std::max<std::size_t>(16, (n > reserve ? n - reserve : 0) / std::max<std::size_t>(1, per_connection));
 }
 
 }  // namespace lorasync

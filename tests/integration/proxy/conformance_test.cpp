@@ -19,6 +19,7 @@
 
 #include "bench/proxy/stub_replica.h"
 #include "http/client.h"
+#include "http/server.h"
 #include "proxy/proxy.h"
 #include "util/error.h"
 #include <set>
@@ -588,6 +589,62 @@ TEST(ProxyConformance, AuthTokenAndBadInput) {
   auto x = call(f.port(), "POST", "/v1/completions", ids_prompt({9}), rid);
   EXPECT_EQ(*x.headers.find("X-Request-Id"), "abc-123");
   EXPECT_EQ(f.stubs[0]->calls().back().request_id, "abc-123");
+}
+
+// The HTTP server (serve and proxy) holds at most max_connections: past it a new connection gets
+// a 503 with Retry-After and is closed, the open ones are untouched, and a freed slot is reused.
+TEST(HttpServer, AtItsConnectionCapANewConnectionGets503AndTheOthersAreServed) {
+  http::ServerOptions o;
+  o.max_connections = 2;
+  http::Server srv(o, [](http::Request&, http::ResponseWriter& w) -> http::Task<void> {
+    co_await w.send(http::json_response(200, R"({"ok":true})"));
+  });
+  srv.start();
+  EXPECT_EQ(srv.max_connections(), 2u);
+  auto open_conn = [&] {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(srv.port());
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    timeval tv{10, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    return fd;
+  };
+  auto exchange = [](int fd) {
+    const std::string req = "GET /x HTTP/1.1\r\nHost: a\r\n\r\n";
+    EXPECT_EQ(::send(fd, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+    std::string got;
+    char buf[4096];
+    while (got.find("\r\n\r\n") == std::string::npos || got.find('}') == std::string::npos) {
+      const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+      if (n <= 0) break;
+      got.append(buf, static_cast<std::size_t>(n));
+    }
+    return got;
+  };
+  auto wait_open = [&](std::size_t n) {
+    for (int i = 0; i < 500 && srv.open_connections() != n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return srv.open_connections();
+  };
+  const int a = open_conn(), b = open_conn();
+  ASSERT_EQ(wait_open(2), 2u);
+  const int c = open_conn();
+  const std::string refused = exchange(c);
+  EXPECT_EQ(refused.rfind("HTTP/1.1 503", 0), 0u) << refused;
+  EXPECT_NE(refused.find("Retry-After: 1"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("connection limit"), std::string::npos) << refused;
+  ::close(c);
+  EXPECT_EQ(srv.refused_connections(), 1u);
+  EXPECT_EQ(exchange(a).rfind("HTTP/1.1 200", 0), 0u) << "an open connection is served";
+  ::close(b);
+  ASSERT_EQ(wait_open(1), 1u);
+  const int d = open_conn();
+  EXPECT_EQ(exchange(d).rfind("HTTP/1.1 200", 0), 0u) << "a freed slot is reused";
+  ::close(a);
+  ::close(d);
+  srv.stop(1.0);
 }
 
 TEST(ProxyConfig, Validation) {
