@@ -14,9 +14,9 @@
 #include <utility>
 
 #include "core/io/safetensors.h"
+#include "engine/adapter_manifest.h"
 #include "util/error.h"
 #include "util/files.h"
-#include "util/json_limits.h"
 #include "util/sha256.h"
 
 namespace lorasync::engine {
@@ -189,48 +189,34 @@ LoadedAdapter read_adapter(const std::string& name, const std::string& path, con
   };
   auto manifest_text = read_member(dir.fd, "manifest.json", kMaxJsonFileBytes, deadline, path);
   if (manifest_text) {
-    check_json_depth(*manifest_text, "manifest.json");
-    nlohmann::json m;
+    AdapterManifest m;
     try {
-      m = nlohmann::json::parse(*manifest_text);
-    } catch (const nlohmann::json::exception& e) {
-      not_found(path, fmt::format("manifest.json is incomplete or invalid ({})", e.what()));
+      m = parse_adapter_manifest(*manifest_text);
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::kNotFound) not_found(path, e.what());
+      invalid(fmt::format("{}: {}", path, e.what()));
     }
-    if (!m.is_object() || !m.contains("files") || !m["files"].is_object())
-      not_found(path, "manifest.json has no 'files' object");
-    if (m["files"].size() > 64) invalid(fmt::format("{}: manifest.json lists {} files (at most 64)", path, m["files"].size()));
-    for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
-      const std::string fname = it.key();
-      if (fname.empty() || fname.find('/') != std::string::npos || fname == "." || fname == ".." ||
-          fname.find('\0') != std::string::npos)
-        invalid(fmt::format("manifest.json lists an invalid file name '{}'", fname));
-      if (!it.value().is_object()) invalid(fmt::format("manifest.json: the entry of {} is not an object", fname));
-      const auto want_bytes = it.value().value("bytes", std::uint64_t{0});
+    for (const auto& [fname, entry] : m.files) {
       auto data = read_member(dir.fd, fname, cap_of(fname), deadline, path);
       if (!data) not_found(path, fmt::format("{} is listed in manifest.json but missing", fname));
-      if (data->size() != want_bytes)
-        not_found(path, fmt::format("{} has {} bytes, the manifest says {}", fname, data->size(), want_bytes));
+      if (data->size() != entry.bytes)
+        not_found(path, fmt::format("{} has {} bytes, the manifest says {}", fname, data->size(), entry.bytes));
       auto sha = sha256_hex(*data);
-      if (sha != it.value().value("sha256", std::string()))
-        not_found(path, fmt::format("{} does not match its SHA-256 in manifest.json", fname));
+      if (sha != entry.sha256) not_found(path, fmt::format("{} does not match its SHA-256 in manifest.json", fname));
       shas[fname] = sha;
       if (fname == kPeftFiles[0] || fname == kPeftFiles[1]) bytes[fname] = std::move(*data);
     }
     for (const char* f : kPeftFiles)
       if (!shas.count(f)) not_found(path, fmt::format("manifest.json does not list {}", f));
-    const std::string manifest_digest = m.value("adapter_sha256", std::string());
-    if (!manifest_digest.empty() && manifest_digest != adapter_digest(shas))
+    if (!m.adapter_sha256.empty() && m.adapter_sha256 != adapter_digest(shas))
       not_found(path, "adapter_sha256 in manifest.json does not match its files");
     // An adapter trained on another base model computes nonsense on this one.
-    if (!policy.base_sha256.empty() && m.contains("base_model") && m["base_model"].is_object()) {
-      const std::string trained_on = m["base_model"].value("sha256", std::string());
-      if (!trained_on.empty() && trained_on != policy.base_sha256)
-        throw Error(ErrorKind::kConflict,
-                    fmt::format("{}: the adapter was trained on base model {} (sha256 {}), this server serves sha256 {}",
-                                path, m["base_model"].value("name", std::string("?")), trained_on.substr(0, 16),
-                                policy.base_sha256.substr(0, 16)),
-                    "lora_path");
-    }
+    if (!policy.base_sha256.empty() && !m.base_sha256.empty() && m.base_sha256 != policy.base_sha256)
+      throw Error(ErrorKind::kConflict,
+                  fmt::format("{}: the adapter was trained on base model {} (sha256 {}), this server serves sha256 {}",
+                              path, m.base_name.empty() ? std::string("?") : m.base_name, m.base_sha256.substr(0, 16),
+                              policy.base_sha256.substr(0, 16)),
+                  "lora_path");
   } else {
     for (const char* f : kPeftFiles) {
       auto data = read_member(dir.fd, f, cap_of(f), deadline, path);

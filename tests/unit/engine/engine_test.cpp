@@ -694,6 +694,17 @@ TEST(AdapterStore, HostileDirectoriesAreRefusedNotFollowedOrWaitedOn) {
   make_adapter("bm", 8).weights->save_peft(bad);
   write_file_atomic(bad / "manifest.json", R"({"files": {"../good/adapter_config.json": {"bytes": 1, "sha256": ""}}})");
   expect_refused(bad, ErrorKind::kInvalidInput, "invalid file name");
+  // Entries and fields of the wrong type: refused with the key (400), not a library exception.
+  write_file_atomic(bad / "manifest.json", R"({"files": {"adapter_config.json": {"bytes": "12", "sha256": ""}}})");
+  expect_refused(bad, ErrorKind::kInvalidInput, "files.adapter_config.json.bytes");
+  write_file_atomic(bad / "manifest.json", R"({"files": {"adapter_config.json": {"bytes": -1, "sha256": ""}}})");
+  expect_refused(bad, ErrorKind::kInvalidInput, "non-negative integer");
+  write_file_atomic(bad / "manifest.json",
+                    R"({"files": {"adapter_config.json": {"bytes": 1, "sha256": ")" + std::string(64, 'a') + R"("}}, "base_model": 3})");
+  expect_refused(bad, ErrorKind::kInvalidInput, "base_model must be an object");
+  // A manifest cut short while being written: "No adapter found" (retried), not 400.
+  write_file_atomic(bad / "manifest.json", R"({"files": {"adapter_config.json": {"by)");
+  expect_refused(bad, ErrorKind::kNotFound, "incomplete or invalid");
   // A root that does not exist allows nothing (no lexical fallback).
   AdapterLoadPolicy ghost;
   ghost.allowed_roots = {(d.path() / "no-such-root").string()};

@@ -398,6 +398,12 @@ TEST(Lora, RefusesUnsupportedConfigs) {
   expect_msg(R"({"r": 1, "target_modules": ["embed_tokens"]})", "embed_tokens");
   expect_msg(R"({"r": 1, "target_modules": ["q_proj"], "peft_type": "IA3"})", "IA3");
   expect_msg("{nope", "not valid JSON");
+  // Values of the wrong type are refused by name, never escape as a JSON library exception.
+  expect_msg(R"({"r": 1, "target_modules": ["q_proj"], "use_dora": "no"})", "'use_dora' must be true or false");
+  expect_msg(R"({"r": 1, "target_modules": ["q_proj"], "lora_dropout": "0.1"})", "'lora_dropout' must be a number");
+  expect_msg(R"({"r": 1, "target_modules": ["q_proj"], "base_model_name_or_path": 7})", "'base_model_name_or_path' must be a string");
+  expect_msg(R"({"r": 1, "target_modules": ["q_proj"], "bias": false})", "'bias' must be a string");
+  expect_msg(R"({"r": 1, "target_modules": ["q_proj"], "peft_type": ["LORA"]})", "'peft_type' must be a string");
 }
 
 TEST(Config, ValidatesAndNamesProblems) {
