@@ -7,12 +7,15 @@
 // keeps serving (the next input connects). ASan and UBSan watch the session code.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <utility>
 
+#include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -64,13 +67,29 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) std::abort();  // the server must still accept
+  // libFuzzer's watchdog (SIGALRM) interrupts blocking calls: EINTR is retried everywhere.
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    int err = errno;
+    if (err == EINTR) {  // the connection goes on in the background: wait for it
+      pollfd p{fd, POLLOUT, 0};
+      while (::poll(&p, 1, 5000) < 0 && errno == EINTR) {
+      }
+      socklen_t len = sizeof err;
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    }
+    if (err != 0) {  // the server must still accept
+      std::fprintf(stderr, "connect failed: %s (%zu connections open, %llu refused)\n", std::strerror(err),
+                   server().open_connections(), static_cast<unsigned long long>(server().refused_connections()));
+      std::abort();
+    }
+  }
   timeval tv{5, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   std::size_t off = 0;
   while (off < size) {
     const ssize_t n = ::send(fd, data + off, size - off, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;  // the server closed early (a 413 or 400): fine
     off += static_cast<std::size_t>(n);
   }
@@ -81,6 +100,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
     if (n == 0) break;
     if (n < 0) {
+      if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) std::abort();  // no close within 5 s: a hang
       break;                                                      // reset: fine
     }
