@@ -95,17 +95,21 @@ void register_proxy(CLI::App& root, Registry& reg) {
   auto so = std::make_shared<bench::StubOptions>();
   auto* st = root.add_subcommand("stub-replica", "fake inference replica for proxy tests and benchmarks");
   st->group("");  // hidden
+  st->add_option("--host", so->host)->capture_default_str();
   st->add_option("--port", so->port)->capture_default_str();
   st->add_option("--index", so->index)->capture_default_str();
   st->add_option("--latency", so->latency_s, "seconds per completion")->capture_default_str();
   st->add_option("--no-adapter-found-first", so->no_adapter_found_first)->capture_default_str();
   st->add_option("--load-fail-status", so->load_fail_status)->capture_default_str();
+  auto load_delay = std::make_shared<double>(0.0);
+  st->add_option("--load-delay", *load_delay, "seconds before a load answers")->capture_default_str();
   st->add_option("--threads", so->threads)->capture_default_str();
-  reg.add(st, [so] {
+  reg.add(st, [so, load_delay] {
     block_signals();
     bench::StubReplica stub(*so);
+    stub.load_delay_s = *load_delay;
     stub.start();
-    std::printf("{\"listening\": \"127.0.0.1:%u\"}\n", static_cast<unsigned>(stub.port()));
+    std::printf("{\"listening\": \"%s:%u\"}\n", so->host.c_str(), static_cast<unsigned>(stub.port()));
     std::fflush(stdout);
     wait_for_signal_then([&] { stub.stop(); });
     return 0;

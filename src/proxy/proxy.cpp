@@ -127,11 +127,12 @@ Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)
   so.threads = static_cast<int>(cfg.threads);
   so.max_body_bytes = static_cast<std::uint64_t>(cfg.max_body_bytes);
   so.client_timeout_s = cfg.client_timeout;
-  // Each client connection may hold an upstream one too (at most conn_limit in all).
-  const std::size_t budget = connection_budget(1), upstream = static_cast<std::size_t>(cfg.conn_limit);
+  // Each client connection may hold an upstream one too (at most conn_limit in all): the
+  // upstreams get up to half of the descriptor budget, the clients the rest.
+  const std::size_t budget = connection_budget(1);
+  const std::size_t upstream = std::min(static_cast<std::size_t>(cfg.conn_limit), budget / 2);
   so.max_connections = cfg.max_connections > 0 ? static_cast<std::size_t>(cfg.max_connections)
-                       : budget > upstream + 16 ? budget - upstream
-                                                : 16;
+                                               : std::max<std::size_t>(64, budget - upstream);
   so.idle_timeout_s = 75;
   server = std::make_unique<http::Server>(so, [this](http::Request& rq, http::ResponseWriter& w) { return handle(rq, w); });
 }

@@ -1,4 +1,5 @@
-// tests/util/http_client.h: a small blocking HTTP/1.1 client for black-box tests (loopback only):
+// tests/util/http_client.h: a small blocking HTTP/1.1 client for black-box tests (loopback, or a
+// test's own network namespace):
 // one request per connection (Connection: close), chunked bodies decoded, SSE events split.
 #pragma once
 
@@ -7,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -25,9 +27,20 @@ inline std::string lower(std::string s) {
   return s;
 }
 
+// The same to an IPv4 address other than loopback (e.g. inside a test's network namespace).
+inline HttpResult http_request_at(const std::string& ipv4, std::uint16_t port, const std::string& method,
+                                  const std::string& path, const std::string& body = "",
+                                  const std::vector<std::string>& extra_headers = {}, int timeout_s = 120);
+
 inline HttpResult http_request(std::uint16_t port, const std::string& method, const std::string& path,
                                const std::string& body = "",
                                const std::vector<std::string>& extra_headers = {}, int timeout_s = 120) {
+  return http_request_at("127.0.0.1", port, method, path, body, extra_headers, timeout_s);
+}
+
+inline HttpResult http_request_at(const std::string& ipv4, std::uint16_t port, const std::string& method,
+                                  const std::string& path, const std::string& body,
+                                  const std::vector<std::string>& extra_headers, int timeout_s) {
   HttpResult r;
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return r;
@@ -36,7 +49,10 @@ inline HttpResult http_request(std::uint16_t port, const std::string& method, co
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (inet_pton(AF_INET, ipv4.c_str(), &a.sin_addr) != 1) {
+    ::close(fd);
+    return r;
+  }
   if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
     ::close(fd);
     return r;
@@ -49,6 +65,7 @@ inline HttpResult http_request(std::uint16_t port, const std::string& method, co
   std::size_t off = 0;
   while (off < req.size()) {
     ssize_t n = ::send(fd, req.data() + off, req.size() - off, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;  // a signal (a child exiting) is not the end of the call
     if (n <= 0) break;
     off += static_cast<std::size_t>(n);
   }
@@ -56,6 +73,7 @@ inline HttpResult http_request(std::uint16_t port, const std::string& method, co
   char buf[65536];
   for (;;) {
     ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     raw.append(buf, static_cast<std::size_t>(n));
   }
