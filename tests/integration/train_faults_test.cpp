@@ -29,20 +29,26 @@ namespace {
 
 using nlohmann::json;
 
-// The fake: adapters are "loaded" by reading their manifest; completions are scripted by count.
-class FakeServer {
+// A fake generation server: the control routes of a replica (health, capabilities, models,
+// adapter loads that read the manifest for the provenance check); completions() is the test's.
+class FakeReplica {
  public:
-  explicit FakeServer(int fail_after) : fail_after_(fail_after) {
-    http::ServerOptions o;
-    server_ = std::make_unique<http::Server>(o, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
+  virtual ~FakeReplica() { stop(); }
+  std::uint16_t port() const { return server_->port(); }
+
+ protected:
+  // Called with the replica's lock held; `sha` is the loaded adapter's digest ("" if none).
+  virtual http::Response completions(const json& body, const std::string& model, const std::string& sha) = 0;
+  void start() {
+    server_ = std::make_unique<http::Server>(http::ServerOptions{}, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
       http::Response r = handle(req);
       co_await w.send(std::move(r));
     });
     server_->start();
   }
-  ~FakeServer() { server_->stop(1.0); }
-  std::uint16_t port() const { return server_->port(); }
-  int completions() const { return completions_.load(); }
+  void stop() {
+    if (server_) server_->stop(1.0);
+  }
 
  private:
   http::Response handle(const http::Request& req) {
@@ -61,8 +67,7 @@ class FakeServer {
     }
     json body = json::parse(req.body, nullptr, false);
     if (path == "/v1/load_lora_adapter") {
-      const std::string dir = body["lora_path"];
-      auto m = json::parse(read_file(fs::path(dir) / "manifest.json"));
+      auto m = json::parse(read_file(fs::path(body["lora_path"].get<std::string>()) / "manifest.json"));
       loaded_[body["lora_name"]] = m["adapter_sha256"];
       return http::json_response(200, "\"ok\"");
     }
@@ -71,11 +76,29 @@ class FakeServer {
       return http::json_response(200, "\"ok\"");
     }
     if (path != "/v1/completions") return http::json_response(404, "{}");
+    const std::string model = body["model"];
+    return completions(body, model, loaded_.count(model) ? loaded_[model] : "");
+  }
+
+  std::mutex mu_;
+  std::map<std::string, std::string> loaded_;
+  std::unique_ptr<http::Server> server_;
+};
+
+// Completions scripted by count: 503s, 404s for loaded versions, overlong completions, provenance
+// that does not match the manifest, and a permanent 400 after `fail_after` requests.
+class FakeServer : public FakeReplica {
+ public:
+  explicit FakeServer(int fail_after) : fail_after_(fail_after) { start(); }
+  ~FakeServer() override { stop(); }
+  int completions() const { return completions_.load(); }
+
+ private:
+  http::Response completions(const json& body, const std::string& model, const std::string& loaded_sha) override {
     const int i = ++completions_;
     if (i > fail_after_)
       return http::json_response(400, R"x({"error":{"message":"max_tokens is too large for this deployment (scripted)"}})x");
     if (i % 5 == 2) return http::json_response(503, R"({"error":{"message":"overloaded"}})");
-    const std::string model = body["model"];
     if (i % 7 == 3) return http::json_response(404, json{{"error", {{"message", "The model `" + model + "` does not exist."}}}}.dump());
     json choices = json::array();
     for (int k = 0; k < body["n"].get<int>(); ++k) {
@@ -85,18 +108,15 @@ class FakeServer {
       choices.push_back({{"index", k}, {"text", "x"}, {"finish_reason", "stop"}, {"token_ids", ids},
                          {"logprobs", {{"token_logprobs", lps}}}});
     }
-    std::string sha = loaded_.count(model) ? loaded_[model] : "";
+    std::string sha = loaded_sha;
     if (i % 11 == 4) sha = std::string(64, '0');  // provenance that does not match the manifest
     return http::json_response(200, json{{"model", model}, {"choices", choices},
                                          {"lorasync", {{"adapter", model}, {"adapter_sha256", sha}}}}
                                         .dump());
   }
 
-  std::mutex mu_;
-  std::map<std::string, std::string> loaded_;
   std::atomic<int> completions_{0};
   int fail_after_;
-  std::unique_ptr<http::Server> server_;
 };
 
 // A tiny model, 12 problems and a configuration against the fake; `extra` is appended TOML.
@@ -224,47 +244,18 @@ TEST(TrainFaults, SigtermNeverWaitsOnAHungReward) {
 // A server whose answer is a function of the request alone (not of time, order or adapter): for
 // "What is N + 1?" member k answers \boxed{N+1} or, for every third (N, k), \boxed{N+2}; fixed
 // logprobs. Adapters are "loaded" by reading their manifest (for the provenance check).
-class DeterministicServer {
+class DeterministicServer : public FakeReplica {
  public:
   // fail_prompt >= 0: the first `fail_count` requests for that problem answer 503.
   explicit DeterministicServer(int fail_prompt = -1, int fail_count = 0)
-      : fail_prompt_(fail_prompt), fail_count_(fail_count), tok_(tok::Tokenizer::load(fs::path(LORASYNC_SHARED_DIR) / "data" / "qwen2-tokenizer")) {
-    http::ServerOptions o;
-    server_ = std::make_unique<http::Server>(o, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
-      http::Response r = handle(req);
-      co_await w.send(std::move(r));
-    });
-    server_->start();
+      : fail_prompt_(fail_prompt), fail_count_(fail_count),
+        tok_(tok::Tokenizer::load(fs::path(LORASYNC_SHARED_DIR) / "data" / "qwen2-tokenizer")) {
+    start();
   }
-  ~DeterministicServer() { server_->stop(1.0); }
-  std::uint16_t port() const { return server_->port(); }
+  ~DeterministicServer() override { stop(); }
 
  private:
-  http::Response handle(const http::Request& req) {
-    const std::string path(req.path());
-    std::lock_guard lk(mu_);
-    if (path == "/health") return http::json_response(200, "{}");
-    if (path == "/server_info")
-      return http::json_response(200, json{{"model", "tiny"}, {"dtype", "float32"}, {"max_model_len", 2048},
-                                           {"lora_config", {{"max_loras", 8}, {"max_lora_rank", 16}}},
-                                           {"parallel_config", {{"data_parallel_size", 1}}}}
-                                          .dump());
-    if (path == "/v1/models") {
-      json data = json::array({{{"id", "tiny"}}});
-      for (const auto& [n, sha] : loaded_) data.push_back({{"id", n}});
-      return http::json_response(200, json{{"data", data}}.dump());
-    }
-    json body = json::parse(req.body, nullptr, false);
-    if (path == "/v1/load_lora_adapter") {
-      auto m = json::parse(read_file(fs::path(body["lora_path"].get<std::string>()) / "manifest.json"));
-      loaded_[body["lora_name"]] = m["adapter_sha256"];
-      return http::json_response(200, "\"ok\"");
-    }
-    if (path == "/v1/unload_lora_adapter") {
-      loaded_.erase(body["lora_name"].get<std::string>());
-      return http::json_response(200, "\"ok\"");
-    }
-    if (path != "/v1/completions") return http::json_response(404, "{}");
+  http::Response completions(const json& body, const std::string& model, const std::string& sha) override {
     const std::string prompt = tok_.decode(body["prompt"].get<std::vector<std::int32_t>>());
     std::smatch m;
     if (!std::regex_search(prompt, m, std::regex(R"(What is (\d+) \+ 1)"))) return http::json_response(400, "{}");
@@ -273,7 +264,6 @@ class DeterministicServer {
       --fail_count_;
       return http::json_response(503, R"x({"error":{"message":"overloaded (scripted)"}})x");
     }
-    const std::string model = body["model"];
     json choices = json::array();
     for (int k = 0; k < body["n"].get<int>(); ++k) {
       const auto ids = tok_.encode("\\boxed{" + std::to_string((n + k) % 3 == 0 ? n + 2 : n + 1) + "}");
@@ -282,15 +272,12 @@ class DeterministicServer {
                          {"logprobs", {{"token_logprobs", lps}}}});
     }
     return http::json_response(200, json{{"model", model}, {"choices", choices},
-                                         {"lorasync", {{"adapter", model}, {"adapter_sha256", loaded_[model]}}}}
+                                         {"lorasync", {{"adapter", model}, {"adapter_sha256", sha}}}}
                                         .dump());
   }
 
   int fail_prompt_, fail_count_;
   tok::Tokenizer tok_;
-  std::mutex mu_;
-  std::map<std::string, std::string> loaded_;
-  std::unique_ptr<http::Server> server_;
 };
 
 // trainer.md §9 "Checkpoint round trip": with async.ordered and a deterministic server, 6 straight
