@@ -267,11 +267,10 @@ class Server::Impl {
   // At the connection cap: a canned 503 (the client learns why and when to retry; a proxy retries
   // elsewhere), then close. Written without reading the request; bounded by a 2 s timeout.
   net::awaitable<void> refuse(std::shared_ptr<Session> s) {
-    static const std::string kBody =
-        R"({"error":{"message":"server at its connection limit; retry shortly","type":"server_error","param":null,"code":503}})";
-    static const std::string kReply = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                      "Retry-After: 1\r\nConnection: close\r\nContent-Length: " +
-                                      std::to_string(kBody.size()) + "\r\n\r\n" + kBody;
+    static const std::string kBody = openai_error_json(503, "server at its connection limit; retry shortly");
+    static const std::string kReply = std::string("HTTP/1.1 503 ") + reason_phrase(503) +
+                                      "\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\n"
+                                      "Content-Length: " + std::to_string(kBody.size()) + "\r\n\r\n" + kBody;
     beast::error_code ec;
     s->stream.expires_after(std::chrono::seconds(2));
     co_await net::async_write(s->stream, net::buffer(kReply), net::redirect_error(net::use_awaitable, ec));
@@ -453,7 +452,7 @@ void Server::start() {
   if (!ec) I.acceptor->listen(net::socket_base::max_listen_connections, ec);
   if (ec) throw_env("cannot listen on {}:{}: {}", I.opts.host, I.opts.port, ec.message());
   I.bound_port = I.acceptor->local_endpoint().port();
-  I.conn_cap = I.opts.max_connections ? I.opts.max_connections : connection_budget(1);
+  I.conn_cap = I.opts.max_connections ? I.opts.max_connections : connection_budget();
   net::co_spawn(I.ioc, I.accept_loop(), net::detached);
   int n = std::max(1, I.opts.threads);
   for (int i = 0; i < n; ++i)

@@ -43,7 +43,7 @@ struct ServerOptions {
   double write_timeout_s = 60;                   // one write to a client that stopped reading
   // Open connections at most; past it a new connection gets 503 (Retry-After: 1,
   // Connection: close) and is closed, instead of the process running out of descriptors.
-  // 0: util connection_budget(1), from the open-file limit.
+  // 0: util connection_budget(), from the open-file limit.
   std::size_t max_connections = 0;
 };
 

@@ -67,11 +67,21 @@ std::vector<std::string> Proxy::Impl::registry_names() const {
 
 void Proxy::Impl::set_state(int r, ReplicaState s, const char* why) {
   Replica& rep = *replicas[static_cast<std::size_t>(r)];
-  ReplicaState old = static_cast<ReplicaState>(rep.state.exchange(static_cast<int>(s)));
-  if (old != s) {
-    LS_LOG_INFO("proxy", "replica {} ({}) {} -> {} ({})", r, rep.url_str, state_name(old), state_name(s), why);
-    if (s == ReplicaState::kSyncing || s == ReplicaState::kEjected) router.purge_replica(r);
-  }
+  note_transition(r, static_cast<ReplicaState>(rep.state.exchange(static_cast<int>(s))), s, why);
+}
+
+bool Proxy::Impl::set_state_if(int r, ReplicaState from, ReplicaState to, const char* why) {
+  int expected = static_cast<int>(from);
+  if (!replicas[static_cast<std::size_t>(r)]->state.compare_exchange_strong(expected, static_cast<int>(to))) return false;
+  note_transition(r, from, to, why);
+  return true;
+}
+
+void Proxy::Impl::note_transition(int r, ReplicaState old, ReplicaState s, const char* why) {
+  if (old == s) return;
+  LS_LOG_INFO("proxy", "replica {} ({}) {} -> {} ({})", r, replicas[static_cast<std::size_t>(r)]->url_str, state_name(old),
+              state_name(s), why);
+  if (s == ReplicaState::kSyncing || s == ReplicaState::kEjected) router.purge_replica(r);
 }
 
 void Proxy::Impl::eject(int r, const std::string& reason) {
@@ -108,11 +118,8 @@ http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, co
   if (auto e = scan_lora_name(req.body, name))
     co_return http::error_response(400, "proxy: " + e->message, e->param);
   co_await fleet_lock.lock();
-  struct Unlock {
-    AsyncMutex& m;
-    ~Unlock() { m.unlock(); }
-  } unlock{fleet_lock};
-  EpochBump bump{*this};  // destroyed before `unlock`
+  AsyncMutexHeld locked{fleet_lock};
+  EpochBump bump{*this};  // destroyed before `locked`
 
   const int N = static_cast<int>(replicas.size());
   std::vector<TargetResult> res(static_cast<std::size_t>(N));
@@ -260,11 +267,8 @@ http::Task<http::Response> Proxy::Impl::handle_broadcast(const http::Request& re
     if (auto e = scan_lora_name(req.body, name)) co_return http::error_response(400, "proxy: " + e->message, e->param);
   }
   co_await fleet_lock.lock();
-  struct Unlock {
-    AsyncMutex& m;
-    ~Unlock() { m.unlock(); }
-  } unlock{fleet_lock};
-  EpochBump bump{*this};  // destroyed before `unlock`
+  AsyncMutexHeld locked{fleet_lock};
+  EpochBump bump{*this};  // destroyed before `locked`
   if (unload && !name.empty()) {
     {
       std::lock_guard lk(fleet_mu);
@@ -471,10 +475,7 @@ http::Task<bool> Proxy::Impl::resync(int r) {
     // Commit under the fleet lock, held for this check only: an operation that ran meanwhile
     // skipped this replica (it was syncing), so converge again.
     co_await fleet_lock.lock();
-    struct Unlock {
-      AsyncMutex& m;
-      ~Unlock() { m.unlock(); }
-    } unlock{fleet_lock};
+    AsyncMutexHeld locked{fleet_lock};
     {
       std::lock_guard lk(fleet_mu);
       if (fleet_epoch != epoch0) {
@@ -483,8 +484,8 @@ http::Task<bool> Proxy::Impl::resync(int r) {
       }
     }
     // Ejected meanwhile (from any state): it stays out; its next re-sync starts over.
-    int expected = static_cast<int>(ReplicaState::kSyncing);
-    if (!rep.state.compare_exchange_strong(expected, static_cast<int>(ReplicaState::kInService))) {
+    const std::string why = pass ? fmt::format("re-synced in {} passes", pass + 1) : std::string("re-synced");
+    if (!set_state_if(r, ReplicaState::kSyncing, ReplicaState::kInService, why.c_str())) {
       ok = false;
       break;
     }
@@ -493,8 +494,6 @@ http::Task<bool> Proxy::Impl::resync(int r) {
       rep.consecutive_ejections = 0;
     }
     rep.consecutive_failures.store(0);
-    LS_LOG_INFO("proxy", "replica {} ({}) syncing -> in_service (re-synced{})", r, rep.url_str,
-                pass ? fmt::format(" in {} passes", pass + 1) : "");
     break;
   }
   metrics.inc("resyncs_total", "replica=\"" + std::to_string(r) + "\",result=\"" + (ok ? "ok" : "failed") + "\"");
@@ -653,10 +652,7 @@ http::Task<void> Proxy::Impl::reconcile_loop() {
     try {
       // Detection under the fleet lock (no load or unload half done); the re-syncs after it.
       if (!fleet_lock.try_lock()) continue;
-      struct Unlock {
-        AsyncMutex& m;
-        ~Unlock() { m.unlock(); }
-      } unlock{fleet_lock};
+      AsyncMutexHeld locked{fleet_lock};
       auto names = registry_names();
       for (auto& rp : replicas) {
         if (rp->get() != ReplicaState::kInService) continue;

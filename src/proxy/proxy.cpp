@@ -129,7 +129,7 @@ Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)
   so.client_timeout_s = cfg.client_timeout;
   // Each client connection may hold an upstream one too (at most conn_limit in all): the
   // upstreams get up to half of the descriptor budget, the clients the rest.
-  const std::size_t budget = connection_budget(1);
+  const std::size_t budget = connection_budget();
   const std::size_t upstream = std::min(static_cast<std::size_t>(cfg.conn_limit), budget / 2);
   so.max_connections = cfg.max_connections > 0 ? static_cast<std::size_t>(cfg.max_connections)
                                                : std::max<std::size_t>(64, budget - upstream);

@@ -57,6 +57,12 @@ class AsyncMutex {
   std::atomic<std::uint64_t> next_{0}, serving_{0};
 };
 
+// Releases an AsyncMutex at the end of the scope (after lock() or a successful try_lock()).
+struct AsyncMutexHeld {
+  AsyncMutex& m;
+  ~AsyncMutexHeld() { m.unlock(); }
+};
+
 struct RegisteredAdapter {
   std::string name;
   std::string body;  // verbatim load body, replayed on re-sync
@@ -126,6 +132,9 @@ class Proxy::Impl {
   void note_success(int r);
   void eject(int r, const std::string& reason);
   void set_state(int r, ReplicaState s, const char* why);
+  // The same only if the replica is still in `from`; false (nothing changed) otherwise.
+  bool set_state_if(int r, ReplicaState from, ReplicaState to, const char* why);
+  void note_transition(int r, ReplicaState old, ReplicaState s, const char* why);  // log, purge
   std::vector<std::string> registry_names() const;
   // At start: the adapters every replica that answers already holds become the registry (a
   // restarted proxy carries on with the fleet as it is; the others are unloaded by reconciliation).

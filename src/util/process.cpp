@@ -28,10 +28,10 @@ std::size_t open_file_limit() {
   return static_cast<std::size_t>(rl.rlim_cur);
 }
 
-std::size_t connection_budget(std::size_t per_connection) {
+std::size_t connection_budget() {
   const std::size_t n = open_file_limit();
   const std::size_t reserve = 64 + n / 8;
-  return std::max<std::size_t>(16, (n > reserve ? n - reserve : 0) / std::max<std::size_t>(1, per_connection));
+  return std::max<std::size_t>(16, n > reserve ? n - reserve : 0);
 }
 
 }  // namespace lorasync

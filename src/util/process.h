@@ -14,8 +14,8 @@ void configure_process();
 
 // Descriptors this process may open (RLIMIT_NOFILE's soft limit; 1024 if unknown).
 std::size_t open_file_limit();
-// Connections a server may hold, given `per_connection` descriptors each: what the open-file
-// limit leaves after a reserve for everything else (model files, logs, pools), at least 16.
-std::size_t connection_budget(std::size_t per_connection);
+// Descriptors a server may spend on connections: what the open-file limit leaves after a reserve
+// for everything else (model files, logs, pools), at least 16.
+std::size_t connection_budget();
 
 }  // namespace lorasync
