@@ -236,6 +236,7 @@ struct DemoOptions {
   double lr = 5e-4;
   std::int64_t max_staleness = 2;  // SFT steps of the base model (0 = make-demo-model's default)
   std::string device = "cpu";      // replicas and trainer: cpu or cuda[:N] (fp32 either way)
+  std::string sync_transport = "auto";  // the trainer's sync.transport
 };
 
 std::string progress_bar(double frac, int width) {
@@ -358,7 +359,7 @@ int run_demo(const DemoOptions& o) {
       << "[async]\nmax_inflight = 64\nqueue_maxsize = 128\nscore_workers = 2\nmax_staleness = " << o.max_staleness << "\n"
       << "[batching]\nsamples_per_step = 32\nrow_tokens = 4096\nlogits_chunk = 512\n"
       << "[optimizer]\nlr = " << o.lr << "\nmax_grad_norm = 1.0\n"
-      << "[sync]\nweight_sync_steps = 2\nadapter_retry_interval = 0.1\n"
+      << "[sync]\nweight_sync_steps = 2\nadapter_retry_interval = 0.1\ntransport = \"" << o.sync_transport << "\"\n"
       << "[checkpoint]\nsave_steps = 5\n"
       << "[logging]\nmetrics_port = 0\nlog_every = 1\n";
   }
@@ -508,6 +509,8 @@ void register_demo(CLI::App& root, Registry& reg) {
   sub->add_option("--device", o->device, "device of the replicas and the trainer: cpu|cuda[:N] (fp32)")
       ->capture_default_str();
   sub->add_option("--max-staleness", o->max_staleness, "async.max_staleness of the run (weight syncs)")->capture_default_str();
+  sub->add_option("--sync-transport", o->sync_transport, "weight sync: auto | push | path (sync.transport)")
+      ->check(CLI::IsMember({"auto", "push", "path"}))->capture_default_str();
   sub->add_option("--model-steps", o->model_steps, "SFT steps of the base model (0 = default; tests use fewer)")
       ->capture_default_str();
   reg.add(sub, [o]() {

@@ -85,6 +85,8 @@ void register_proxy(CLI::App& root, Registry& reg) {
   s->add_option("--max-retries", c->max_retries)->envname("PROXY_MAX_RETRIES")->capture_default_str();
   s->add_option("--health-quorum", c->health_quorum, "0 = all")->envname("PROXY_HEALTH_QUORUM")->capture_default_str();
   s->add_option("--max-body-bytes", c->max_body_bytes)->envname("PROXY_MAX_BODY_BYTES")->capture_default_str();
+  s->add_option("--max-push-bytes", c->max_push_bytes, "largest adapter push body (the proxy keeps a copy of each registered one)")
+      ->envname("PROXY_MAX_PUSH_BYTES")->capture_default_str();
   s->add_option("--max-connections", c->max_connections, "client connections at most; more get 503 (0 = what the open-file limit leaves after --conn-limit)")
       ->envname("PROXY_MAX_CONNECTIONS")->capture_default_str();
   s->add_option("--stats-log-interval", c->stats_log_interval, "0 = off")->envname("PROXY_STATS_EVERY_S")->capture_default_str();

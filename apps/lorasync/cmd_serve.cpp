@@ -66,6 +66,8 @@ void register_serve(CLI::App& root, Registry& reg) {
   sub->add_option("--http-threads", o->http_threads, "HTTP io threads")->capture_default_str();
   sub->add_option("--shutdown-grace", o->shutdown_grace_s, "seconds to finish in-flight requests on SIGTERM")->capture_default_str();
   sub->add_option("--max-body-bytes", o->max_body_bytes, "largest request body (larger: 413)")->capture_default_str();
+  sub->add_option("--adapter-prepare-ttl", o->adapter_prepare_ttl_s,
+                  "seconds a pushed adapter waits for its commit before its slot may be reused")->capture_default_str();
   sub->add_option("--max-connections", o->max_connections,
                   "open connections at most; more get 503 (0 = what the open-file limit allows)")->capture_default_str();
   sub->add_option("--max-queued-seqs", o->max_queued_seqs,

@@ -44,6 +44,8 @@ int main(int argc, char** argv) {
   cli::register_bench_grade(*bench, reg);
   cli::register_bench_tokenizer(*bench, reg);
   cli::register_bench_proxy(*bench, reg);
+  cli::register_bench_sync(*bench, reg);
+  cli::register_bench_e2e(*bench, reg);
   cli::register_bench_reward(*bench, reg);
 
   try {

@@ -13,8 +13,8 @@
 #include <system_error>
 #include <utility>
 
+#include "core/io/adapter_manifest.h"
 #include "core/io/safetensors.h"
-#include "engine/adapter_manifest.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/sha256.h"
@@ -22,6 +22,20 @@
 namespace lorasync::engine {
 
 namespace fs = std::filesystem;
+using io::AdapterManifest;
+using io::parse_adapter_manifest;
+
+// The largest adapter_model.safetensors a valid adapter of rank <= max_rank can have (8-byte
+// values, every module targeted) plus room for the header.
+std::uint64_t max_adapter_weights_bytes(const model::Qwen2Config& base, std::int64_t max_rank) {
+  const std::uint64_t r = static_cast<std::uint64_t>(max_rank > 0 ? max_rank : 256);
+  std::uint64_t per_layer = 0;
+  for (int m = 0; m < model::kNumLoraModules; ++m) {
+    auto [in, out] = model::lora_module_shape(base, static_cast<model::LoraModule>(m));
+    per_layer += r * static_cast<std::uint64_t>(in + out) * 8;
+  }
+  return per_layer * static_cast<std::uint64_t>(base.num_hidden_layers) + (16ull << 20);
+}
 
 namespace {
 
@@ -120,30 +134,42 @@ std::optional<std::string> read_member(int dirfd, const std::string& fname, std:
   return out;
 }
 
-// The largest adapter_model.safetensors a valid adapter of rank <= max_rank can have (8-byte
-// values, every module targeted) plus room for the header.
-std::uint64_t max_weights_bytes(const model::Qwen2Config& base, std::int64_t max_rank) {
-  const std::uint64_t r = static_cast<std::uint64_t>(max_rank > 0 ? max_rank : 256);
-  std::uint64_t per_layer = 0;
-  for (int m = 0; m < model::kNumLoraModules; ++m) {
-    auto [in, out] = model::lora_module_shape(base, static_cast<model::LoraModule>(m));
-    per_layer += r * static_cast<std::uint64_t>(in + out) * 8;
+
+// An adapter trained on another base model computes nonsense on this one.
+void check_base(const AdapterManifest& m, const AdapterLoadPolicy& policy, const std::string& shown) {
+  if (!policy.base_sha256.empty() && !m.base_sha256.empty() && m.base_sha256 != policy.base_sha256)
+    throw Error(ErrorKind::kConflict,
+                fmt::format("{}: the adapter was trained on base model {} (sha256 {}), this server serves sha256 {}",
+                            shown, m.base_name.empty() ? std::string("?") : m.base_name, m.base_sha256.substr(0, 16),
+                            policy.base_sha256.substr(0, 16)),
+                "lora_path");
+}
+
+// The weights on the serving device from the two PEFT files. `lagging_path`: a truncated
+// safetensors image read from that path may still be arriving (NotFound); "": InvalidInput.
+LoadedAdapter build_adapter(const std::string& name, const std::string& path, const std::string& sha256,
+                            std::string_view config, std::string_view weights, const AdapterLoadPolicy& policy,
+                            const model::Qwen2Config& base, c10::Device device, const std::string& lagging_path) {
+  LoadedAdapter out;
+  out.name = name;
+  out.path = path;
+  out.sha256 = sha256;
+  try {
+    out.weights = std::make_shared<const model::LoraAdapter>(model::LoraAdapter::from_peft(
+        config, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(weights.data()), weights.size()),
+        path, base, device, policy.max_rank));
+  } catch (const Error& e) {
+    std::string what = e.what();
+    // A file still being copied shows up as a truncated safetensors image.
+    if (!lagging_path.empty() &&
+        (what.find("exceed the data size") != std::string::npos || what.find("too short") != std::string::npos))
+      not_found(lagging_path, what);
+    invalid(what);
   }
-  return per_layer * static_cast<std::uint64_t>(base.num_hidden_layers) + (16ull << 20);
+  return out;
 }
 
 }  // namespace
-
-std::string adapter_digest(const std::map<std::string, std::string>& file_sha256) {
-  Sha256 h;
-  for (const auto& [name, hex] : file_sha256) {
-    h.update(name);
-    h.update(std::string_view("\0", 1));
-    h.update(hex);
-    h.update("\n");
-  }
-  return h.hex_digest();
-}
 
 LoadedAdapter read_adapter(const std::string& name, const std::string& path, const AdapterLoadPolicy& policy,
                            const model::Qwen2Config& base, c10::Device device) {
@@ -181,7 +207,7 @@ LoadedAdapter read_adapter(const std::string& name, const std::string& path, con
   // Every byte below is read once: what is hashed is what is parsed.
   std::map<std::string, std::string> shas;
   std::map<std::string, std::string> bytes;
-  const std::uint64_t weights_cap = max_weights_bytes(base, policy.max_rank);
+  const std::uint64_t weights_cap = max_adapter_weights_bytes(base, policy.max_rank);
   auto cap_of = [&](const std::string& f) {
     if (f == "adapter_model.safetensors") return weights_cap;
     if (f == "adapter_config.json") return kMaxJsonFileBytes;
@@ -210,13 +236,7 @@ LoadedAdapter read_adapter(const std::string& name, const std::string& path, con
       if (!shas.count(f)) not_found(path, fmt::format("manifest.json does not list {}", f));
     if (!m.adapter_sha256.empty() && m.adapter_sha256 != adapter_digest(shas))
       not_found(path, "adapter_sha256 in manifest.json does not match its files");
-    // An adapter trained on another base model computes nonsense on this one.
-    if (!policy.base_sha256.empty() && !m.base_sha256.empty() && m.base_sha256 != policy.base_sha256)
-      throw Error(ErrorKind::kConflict,
-                  fmt::format("{}: the adapter was trained on base model {} (sha256 {}), this server serves sha256 {}",
-                              path, m.base_name.empty() ? std::string("?") : m.base_name, m.base_sha256.substr(0, 16),
-                              policy.base_sha256.substr(0, 16)),
-                  "lora_path");
+    check_base(m, policy, path);
   } else {
     for (const char* f : kPeftFiles) {
       auto data = read_member(dir.fd, f, cap_of(f), deadline, path);
@@ -226,23 +246,26 @@ LoadedAdapter read_adapter(const std::string& name, const std::string& path, con
     }
   }
 
-  LoadedAdapter out;
-  out.name = name;
-  out.path = resolved.string();
-  out.sha256 = adapter_digest(shas);
-  const std::string& st = bytes[kPeftFiles[1]];
+  return build_adapter(name, resolved.string(), adapter_digest(shas), bytes[kPeftFiles[0]], bytes[kPeftFiles[1]], policy,
+                       base, device, path);
+}
+
+LoadedAdapter adapter_from_bundle(const io::AdapterBundle& b, const AdapterLoadPolicy& policy,
+                                  const model::Qwen2Config& base, c10::Device device) {
+  if (b.adapter_sha256.empty()) invalid("the push bundle was not verified");
+  const std::string shown = "pushed adapter " + b.lora_name;
+  check_base(b.manifest, policy, shown);
+  const std::uint64_t cap = max_adapter_weights_bytes(base, policy.max_rank);
+  const auto& w = b.files.at(kPeftFiles[1]);
+  if (w.size() > cap) invalid(fmt::format("{}: {} has {} bytes, more than the {} allowed", shown, kPeftFiles[1], w.size(), cap));
   try {
-    out.weights = std::make_shared<const model::LoraAdapter>(model::LoraAdapter::from_peft(
-        bytes[kPeftFiles[0]], std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(st.data()), st.size()),
-        resolved.string(), base, device, policy.max_rank));
+    return build_adapter(b.lora_name, b.lora_path.empty() ? "push:" + b.lora_name : b.lora_path, b.adapter_sha256,
+                         b.files.at(kPeftFiles[0]), w, policy, base, device, "");
   } catch (const Error& e) {
-    std::string what = e.what();
-    // A file still being copied shows up as a truncated safetensors image.
-    if (what.find("exceed the data size") != std::string::npos || what.find("too short") != std::string::npos)
-      not_found(path, what);
-    invalid(what);
+    // Nothing of a pushed version is still arriving: a bad image is a bad upload.
+    if (e.kind() == ErrorKind::kNotFound) invalid(e.what());
+    throw;
   }
-  return out;
 }
 
 std::string write_adapter_manifest(const fs::path& dir, const std::string& name, std::int64_t version,

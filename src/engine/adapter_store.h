@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "core/io/adapter_manifest.h"
 #include "core/model/lora.h"
 #include "core/model/qwen2_config.h"
 
@@ -41,8 +42,8 @@ struct LoadedAdapter {
   std::shared_ptr<const model::LoraAdapter> weights;  // on the serving device
 };
 
-// adapter_sha256 from (file name -> file sha256) pairs.
-std::string adapter_digest(const std::map<std::string, std::string>& file_sha256);
+// adapter_sha256 from (file name -> file sha256) pairs (core/io/adapter_manifest.h).
+using io::adapter_digest;
 
 struct AdapterLoadPolicy {
   std::vector<std::string> allowed_roots;  // empty = any path
@@ -50,6 +51,10 @@ struct AdapterLoadPolicy {
   std::string base_sha256;                 // this server's base model identity ("" = not checked)
   double deadline_s = 60;                  // reading the files takes at most this long
 };
+
+// The largest adapter_model.safetensors a valid adapter of rank <= max_rank (0: 256) can have for
+// `base`, plus room for its header: the cap on a file read and on a push.
+std::uint64_t max_adapter_weights_bytes(const model::Qwen2Config& base, std::int64_t max_rank);
 
 // Steps 1-4 above.
 LoadedAdapter read_adapter(const std::string& name, const std::string& path, const AdapterLoadPolicy& policy,
@@ -62,6 +67,12 @@ inline LoadedAdapter read_adapter(const std::string& name, const std::string& pa
   p.max_rank = max_rank;
   return read_adapter(name, path, p, base, device);
 }
+
+// A pushed version (a bundle parsed with verification): steps 3-4 above, InvalidInput instead of
+// NotFound (nothing of an upload is still arriving), the weights capped like a file read.
+// `path` of the result: the bundle's lora_path, else "push:<name>".
+LoadedAdapter adapter_from_bundle(const io::AdapterBundle& bundle, const AdapterLoadPolicy& policy,
+                                  const model::Qwen2Config& base, c10::Device device);
 
 // Writes manifest.json for a directory holding PEFT files (the publisher's last step), durably.
 // Returns adapter_sha256.

@@ -143,47 +143,68 @@ void Engine::abort(const std::string& request_id) {
   });
 }
 
-std::future<LoadOutcome> Engine::install_adapter(LoadedAdapter adapter) {
+std::future<LoadOutcome> Engine::install_adapter(LoadedAdapter adapter) { return place_adapter(std::move(adapter), false, 0); }
+
+std::future<LoadOutcome> Engine::stage_adapter(LoadedAdapter adapter, double ttl_s) {
+  return place_adapter(std::move(adapter), true, ttl_s);
+}
+
+std::future<LoadOutcome> Engine::place_adapter(LoadedAdapter adapter, bool staged, double ttl_s) {
   auto prom = std::make_shared<std::promise<LoadOutcome>>();
   auto fut = prom->get_future();
   auto a = std::make_shared<LoadedAdapter>(std::move(adapter));
-  impl_->post([this, prom, a] {
+  impl_->post([this, prom, a, staged, ttl_s] {
     Impl& I = *impl_;
     try {
       if (a->name == opts_.served_model_name)
         throw Error(ErrorKind::kInvalidInput,
                     fmt::format("lora_name '{}' is the base model's name", a->name), "lora_name");
+      const double now = now_seconds();
+      auto same_or_conflict = [&](const LoadedAdapter& cur, const char* where) {
+        if (cur.sha256 != a->sha256)
+          throw Error(ErrorKind::kConflict,
+                      fmt::format("adapter '{}' is already {} with other content (sha256 {} vs {}); "
+                                  "adapter names are immutable",
+                                  a->name, where, cur.sha256, a->sha256),
+                      "lora_name");
+      };
       int existing = I.find_slot(a->name, false);
       if (existing >= 0) {
         const auto& cur = *I.slots[static_cast<std::size_t>(existing)].adapter;
-        if (cur.sha256 != a->sha256)
-          throw Error(ErrorKind::kConflict,
-                      fmt::format("adapter '{}' is already loaded with other content (sha256 {} vs {}); "
-                                  "adapter names are immutable",
-                                  a->name, cur.sha256, a->sha256),
-                      "lora_name");
-        LoadOutcome o{false, cur.weights->config().rank, static_cast<std::int64_t>(I.snap_adapters.size()), cur.sha256};
-        prom->set_value(o);
+        same_or_conflict(cur, "loaded");
+        prom->set_value(LoadOutcome{false, cur.weights->config().rank, static_cast<std::int64_t>(I.snap_adapters.size()), cur.sha256});
         return;
       }
-      int free_slot = -1;
-      for (std::size_t i = 0; i < I.slots.size() && free_slot < 0; ++i)
-        if (!I.slots[i].adapter) free_slot = static_cast<int>(i);
-      for (std::size_t i = 0; i < I.slots.size() && free_slot < 0; ++i)
-        if (I.slots[i].draining && I.slots[i].inflight == 0) free_slot = static_cast<int>(i);
-      if (free_slot < 0)
+      int slot = I.find_staged(a->name);
+      if (slot >= 0) {
+        // Prepared before: the same content is prepared again (a retried prepare refreshes the
+        // deadline; a path load of it commits it), other content is refused.
+        Slot& sl = I.slots[static_cast<std::size_t>(slot)];
+        same_or_conflict(*sl.adapter, "prepared");
+        if (staged) {
+          sl.staged_until = now + ttl_s;
+          prom->set_value(LoadOutcome{false, sl.adapter->weights->config().rank,
+                                      static_cast<std::int64_t>(I.snap_adapters.size()), sl.adapter->sha256});
+          return;
+        }
+      } else {
+        slot = I.free_slot(now);
+      }
+      if (slot < 0)
         throw Error(ErrorKind::kUnavailable,
-                    fmt::format("all {} adapter slots (--max-loras) hold adapters with requests in flight; "
-                                "unload one first",
+                    fmt::format("all {} adapter slots (--max-loras) hold adapters with requests in flight "
+                                "or prepared ones; unload one first",
                                 I.slots.size()),
                     "lora_name");
-      Slot& sl = I.slots[static_cast<std::size_t>(free_slot)];
+      Slot& sl = I.slots[static_cast<std::size_t>(slot)];
       sl.adapter = a;
       sl.inflight = 0;
       sl.draining = false;
+      sl.staged = staged;
+      sl.staged_until = staged ? now + ttl_s : 0;
       sl.seed = seed_hash(a->name + std::string("\0", 1) + a->sha256);
       sl.order = ++I.load_counter;
-      ++I.st.adapter_loads;
+      if (!staged) ++I.st.adapter_loads;
       I.publish_adapters();
       prom->set_value(LoadOutcome{true, a->weights->config().rank,
                                   static_cast<std::int64_t>(I.snap_adapters.size()), a->sha256});
@@ -193,6 +214,66 @@ std::future<LoadOutcome> Engine::install_adapter(LoadedAdapter adapter) {
     }
   });
   return fut;
+}
+
+std::future<LoadOutcome> Engine::commit_adapter(const std::string& name) {
+  auto prom = std::make_shared<std::promise<LoadOutcome>>();
+  auto fut = prom->get_future();
+  impl_->post([this, prom, name] {
+    Impl& I = *impl_;
+    int cur = I.find_slot(name, false);
+    if (cur >= 0) {
+      const auto& a = *I.slots[static_cast<std::size_t>(cur)].adapter;
+      prom->set_value(LoadOutcome{false, a.weights->config().rank, static_cast<std::int64_t>(I.snap_adapters.size()), a.sha256});
+      return;
+    }
+    // A staged slot past its deadline still commits while nothing has reclaimed it.
+    int s = I.find_staged(name);
+    if (s < 0) {
+      ++I.st.adapter_load_failures;
+      prom->set_exception(std::make_exception_ptr(Error(
+          ErrorKind::kNotFound,
+          fmt::format("adapter '{}' is not prepared on this server (never prepared, aborted, or its slot was "
+                      "reclaimed after the prepare deadline)",
+                      name),
+          "lora_name")));
+      return;
+    }
+    Slot& sl = I.slots[static_cast<std::size_t>(s)];
+    sl.staged = false;
+    sl.staged_until = 0;
+    sl.order = ++I.load_counter;
+    ++I.st.adapter_loads;
+    I.publish_adapters();
+    prom->set_value(LoadOutcome{true, sl.adapter->weights->config().rank,
+                                static_cast<std::int64_t>(I.snap_adapters.size()), sl.adapter->sha256});
+  });
+  return fut;
+}
+
+std::future<std::string> Engine::abort_staged(const std::string& name) {
+  auto prom = std::make_shared<std::promise<std::string>>();
+  auto fut = prom->get_future();
+  impl_->post([this, prom, name] {
+    Impl& I = *impl_;
+    int s = I.find_staged(name);
+    if (s < 0) {
+      prom->set_value("not_prepared");
+      return;
+    }
+    Slot& sl = I.slots[static_cast<std::size_t>(s)];
+    sl.adapter.reset();
+    sl.staged = false;
+    sl.staged_until = 0;
+    I.publish_adapters();
+    prom->set_value("aborted");
+  });
+  return fut;
+}
+
+std::int64_t Engine::staged_adapters() const {
+  std::lock_guard<std::mutex> lk(impl_->snap_mu);
+  return impl_->snap_staged;
 }
 
 std::future<std::string> Engine::unload_adapter(const std::string& name) {

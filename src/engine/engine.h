@@ -149,6 +149,19 @@ class Engine {
 
   // Installs an adapter read by read_adapter(). Conflict / Unavailable errors via the future.
   std::future<LoadOutcome> install_adapter(LoadedAdapter adapter);
+  // Two-phase load (adapter push, docs/http-api.md). stage_adapter validates like install_adapter
+  // and puts the weights in a free slot without making the name visible (prepare); the slot is
+  // reclaimable by a later load once ttl_s has passed without a commit. created=false: the name
+  // is already resident with this content, or already prepared with it (the deadline is renewed).
+  // Conflict for other content under the name; Unavailable when no slot is free.
+  std::future<LoadOutcome> stage_adapter(LoadedAdapter adapter, double ttl_s);
+  // Makes a prepared name visible (a pointer swap between two steps). created=false when it is
+  // already resident; NotFound when nothing is prepared under it (aborted, reclaimed, never sent).
+  std::future<LoadOutcome> commit_adapter(const std::string& name);
+  // Frees a prepared slot: "aborted", or "not_prepared" when there is none (idempotent).
+  std::future<std::string> abort_staged(const std::string& name);
+  // Slots holding prepared, uncommitted adapters.
+  std::int64_t staged_adapters() const;
   // "unloaded" (slot freed now) or "draining"; NotFound for an unknown name (via the future).
   std::future<std::string> unload_adapter(const std::string& name);
   // The base model (parent empty) or a resident adapter.
@@ -167,6 +180,8 @@ class Engine {
   struct Impl;
 
  private:
+  std::future<LoadOutcome> place_adapter(LoadedAdapter adapter, bool staged, double ttl_s);
+
   EngineOptions opts_;
   std::unique_ptr<Impl> impl_;
 };

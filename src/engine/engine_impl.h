@@ -70,6 +70,10 @@ struct Slot {
   std::shared_ptr<const LoadedAdapter> adapter;
   std::int64_t inflight = 0;
   bool draining = false;
+  // Prepared by stage_adapter, not visible until commit_adapter; reclaimable after staged_until
+  // (now_seconds()).
+  bool staged = false;
+  double staged_until = 0;
   BlockHash seed;
   std::int64_t order = 0;
 };
@@ -126,6 +130,7 @@ struct Engine::Impl {
   // Snapshots for other threads.
   mutable std::mutex snap_mu;
   std::vector<AdapterInfo> snap_adapters;
+  std::int64_t snap_staged = 0;
   EngineStats snap_stats;
   std::atomic<bool> snap_paused{false};
 
@@ -141,11 +146,14 @@ struct Engine::Impl {
   void publish_adapters() {
     std::vector<std::pair<std::int64_t, AdapterInfo>> v;
     for (const auto& s : slots)
-      if (s.adapter && !s.draining)
+      if (s.adapter && !s.draining && !s.staged)
         v.push_back({s.order, {s.adapter->name, s.adapter->path, s.adapter->sha256,
                                s.adapter->weights->config().rank}});
     std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::int64_t staged = 0;
+    for (const auto& s : slots) staged += s.staged ? 1 : 0;
     std::lock_guard<std::mutex> lk(snap_mu);
+    snap_staged = staged;
     snap_adapters.clear();
     for (auto& [o, a] : v) snap_adapters.push_back(std::move(a));
   }
@@ -162,8 +170,25 @@ struct Engine::Impl {
 
   int find_slot(const std::string& name, bool include_draining) const {
     for (std::size_t i = 0; i < slots.size(); ++i)
-      if (slots[i].adapter && slots[i].adapter->name == name && (include_draining || !slots[i].draining))
+      if (slots[i].adapter && !slots[i].staged && slots[i].adapter->name == name &&
+          (include_draining || !slots[i].draining))
         return static_cast<int>(i);
+    return -1;
+  }
+  int find_staged(const std::string& name) const {
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (slots[i].staged && slots[i].adapter->name == name) return static_cast<int>(i);
+    return -1;
+  }
+  // A slot for a new adapter: an empty one, else a drained one, else a staged one whose commit
+  // never came (past staged_until). -1 when none.
+  int free_slot(double now) const {
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (!slots[i].adapter) return static_cast<int>(i);
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (slots[i].draining && slots[i].inflight == 0) return static_cast<int>(i);
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (slots[i].staged && slots[i].staged_until < now) return static_cast<int>(i);
     return -1;
   }
 

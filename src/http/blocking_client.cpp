@@ -30,9 +30,9 @@ BlockingClient::~BlockingClient() {
 }
 
 Pool::Full BlockingClient::request(std::string_view method, std::string_view target, std::string_view body,
-                                   double total_timeout_s, bool fresh_connection) {
+                                   double total_timeout_s, bool fresh_connection, std::string_view content_type) {
   Headers headers;
-  if (!body.empty()) headers.add("Content-Type", "application/json");
+  if (!body.empty()) headers.add("Content-Type", std::string(content_type));
   if (!impl_->token.empty()) headers.add("Authorization", "Bearer " + impl_->token);
   OutRequest req{method, target, &headers, body};
   CallOptions opt;

@@ -24,7 +24,8 @@ class BlockingClient {
 
   // status 0 with `message` set on a transport failure (connect, timeout, reset).
   Pool::Full request(std::string_view method, std::string_view target, std::string_view body = {},
-                     double total_timeout_s = 60, bool fresh_connection = false);
+                     double total_timeout_s = 60, bool fresh_connection = false,
+                     std::string_view content_type = "application/json");
   const std::string& base_url() const { return base_url_; }
 
  private:

@@ -7,6 +7,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/ssl.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -102,8 +103,10 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
   }
 
   struct Waiter {
+    explicit Waiter(net::any_io_executor ex) : timer(std::move(ex)) {}
     bool granted = false;
     std::unique_ptr<Conn> conn;  // a handed-over idle connection, or null: open a new one
+    net::steady_timer timer;     // the waiting coroutine's; cancelled on its executor to wake it
   };
 
   Url url;
@@ -120,6 +123,7 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
   Task<std::optional<std::unique_ptr<Conn>>> acquire(bool fresh, Clock::time_point deadline, CancelSignal* cancel,
                                                      bool* cancelled) {
     std::shared_ptr<Waiter> w;
+    auto ex = co_await net::this_coro::executor;
     {
       std::lock_guard lk(mu);
       auto now = Clock::now();
@@ -137,12 +141,14 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
         ++open;
         co_return std::optional<std::unique_ptr<Conn>>(std::unique_ptr<Conn>());
       }
-      w = std::make_shared<Waiter>();
+      w = std::make_shared<Waiter>(ex);
       waiters.push_back(w);
     }
-    // Wait in FIFO order; poll the grant flag every 20 ms so no wake-up can be lost. A departing
-    // client cancels the timer (its callback runs on this strand).
-    net::steady_timer timer(co_await net::this_coro::executor);
+    // Wait in FIFO order. release() grants the slot under `mu` and posts the timer's cancellation
+    // to this coroutine's executor (its strand): the wake-up runs after the wait below has been
+    // issued, so none is lost and nothing polls. The bounded wait only guards an executor that is
+    // not a strand. A departing client cancels the timer too (its callback runs on this strand).
+    net::steady_timer& timer = w->timer;
     std::optional<CancelSignal::Id> sub;
     if (cancel) sub = cancel->subscribe([&timer] { timer.cancel(); });
     struct Unsub {
@@ -184,7 +190,7 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
           co_return std::nullopt;
         }
       }
-      timer.expires_after(std::min<Clock::duration>(std::chrono::milliseconds(20), deadline - Clock::now()));
+      timer.expires_after(std::min<Clock::duration>(std::chrono::seconds(1), deadline - Clock::now()));
       beast::error_code ec;
       co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
     }
@@ -201,6 +207,7 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
       waiters.pop_front();
       w->granted = true;
       w->conn = std::move(c);  // the slot moves to the waiter either way
+      net::post(w->timer.get_executor(), [w] { w->timer.cancel(); });
       return;
     }
     if (c) {

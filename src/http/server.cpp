@@ -5,6 +5,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include <boost/asio/co_spawn.hpp>
@@ -19,6 +20,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -353,9 +355,23 @@ class Server::Impl {
         s->busy = true;
         bhttp::request_parser<bhttp::string_body> parser;
         parser.header_limit(static_cast<std::uint32_t>(opts.max_header_bytes));
-        parser.body_limit(opts.max_body_bytes);
+        // The largest limit while the header is read (Beast checks Content-Length against it
+        // there), then the route's own.
+        std::uint64_t body_limit = opts.max_body_bytes;
+        for (const auto& [p, lim] : opts.route_body_limits) body_limit = std::max(body_limit, lim);
+        parser.body_limit(body_limit);
         s->stream.expires_after(secs(opts.client_timeout_s));
         co_await bhttp::async_read_header(s->stream, buf, parser, net::redirect_error(net::use_awaitable, ec));
+        if (!ec && !opts.route_body_limits.empty()) {
+          const std::string_view target(parser.get().target().data(), parser.get().target().size());
+          const std::string_view rpath = target.substr(0, target.find('?'));
+          body_limit = opts.max_body_bytes;
+          for (const auto& [p, lim] : opts.route_body_limits)
+            if (rpath == p) body_limit = lim;
+          const auto declared = parser.content_length();
+          if (declared && *declared > body_limit) ec = bhttp::error::body_limit;
+          else parser.body_limit(body_limit);
+        }
         if (!ec && !parser.is_done()) {
           auto expect = parser.get().find(bhttp::field::expect);
           if (expect != parser.get().end() && iequals(std::string_view(expect->value().data(), expect->value().size()), "100-continue")) {
@@ -368,7 +384,7 @@ class Server::Impl {
           if (ec == bhttp::error::header_limit) {
             co_await reply_and_close(s, 431, "request headers exceed the limit");
           } else if (ec == bhttp::error::body_limit) {
-            std::string msg = "request body exceeds " + std::to_string(opts.max_body_bytes) + " bytes";
+            std::string msg = "request body exceeds " + std::to_string(body_limit) + " bytes";
             co_await reply_and_close(s, 413, msg);
           } else if (ec == beast::error::timeout) {
             co_await reply_and_close(s, 408, "request not received within the client timeout");

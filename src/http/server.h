@@ -21,6 +21,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "http/async.h"
 #include "http/cancel.h"
@@ -38,6 +40,8 @@ struct ServerOptions {
   int threads = 1;                               // io_context threads
   std::size_t max_header_bytes = 64 * 1024;      // 431 beyond
   std::uint64_t max_body_bytes = 64ull << 20;    // 413 beyond
+  // Paths (no query) whose body limit is another (an adapter push: larger than any JSON body).
+  std::vector<std::pair<std::string, std::uint64_t>> route_body_limits;
   double client_timeout_s = 60;                  // headers + body of one request
   double idle_timeout_s = 75;                    // idle keep-alive connection
   double write_timeout_s = 60;                   // one write to a client that stopped reading

@@ -77,6 +77,7 @@ void resolve_config(ProxyConfig& c) {
   need(c.health_quorum >= 0 && c.health_quorum <= static_cast<std::int64_t>(c.urls.size()), "--health-quorum",
        "must be in [0, number of upstreams]");
   need(c.max_body_bytes >= 1, "--max-body-bytes", "must be >= 1");
+  need(c.max_push_bytes >= 1, "--max-push-bytes", "must be >= 1");
   need(c.max_connections >= 0, "--max-connections", "must be >= 0 (0 = from the open-file limit)");
   nonneg(c.stats_log_interval, "--stats-log-interval");
   nonneg(c.shutdown_grace, "--shutdown-grace");

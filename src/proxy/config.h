@@ -41,6 +41,7 @@ struct ProxyConfig {
   std::int64_t max_retries = 2;
   std::int64_t health_quorum = 0;              // 0: all replicas
   std::int64_t max_body_bytes = 64ll << 20;
+  std::int64_t max_push_bytes = 1ll << 30;     // an adapter push's body (413 beyond)
   std::int64_t max_connections = 0;            // client connections; 0: open-file limit - conn_limit
   double stats_log_interval = 60, shutdown_grace = 30;
 

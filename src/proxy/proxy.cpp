@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "core/io/adapter_manifest.h"
 #include "proxy/prompt_scan.h"
 #include "proxy/proxy_impl.h"
 #include "util/error.h"
@@ -126,6 +127,7 @@ Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)
   so.port = cfg.port;
   so.threads = static_cast<int>(cfg.threads);
   so.max_body_bytes = static_cast<std::uint64_t>(cfg.max_body_bytes);
+  so.route_body_limits = {{std::string(io::kPushPath), static_cast<std::uint64_t>(cfg.max_push_bytes)}};
   so.client_timeout_s = cfg.client_timeout;
   // Each client connection may hold an upstream one too (at most conn_limit in all): the
   // upstreams get up to half of the descriptor budget, the clients the rest.
@@ -234,6 +236,21 @@ http::Task<void> Proxy::Impl::handle(http::Request& req, http::ResponseWriter& w
     http::Response r;
     if (req.method == "POST") r = co_await handle_load(req, rid);
     else r = co_await handle_broadcast(req, rid);
+    co_await reply(std::move(r));
+  } else if (path == io::kPushPath) {
+    route = "push";
+    http::Response r;
+    if (req.method == "POST") r = co_await handle_push(req, rid);
+    else {
+      r = err(405, "method " + req.method + " not allowed on " + path);
+      r.headers.add("Allow", "POST");
+    }
+    co_await reply(std::move(r));
+  } else if (path == io::kPreparePath || path == io::kCommitPath || path == io::kAbortPath) {
+    // The proxy runs both phases itself: a client preparing replicas one by one would bypass the
+    // all-or-nothing commit.
+    route = "push";
+    http::Response r = err(404, "the proxy runs the prepare and commit phases itself: POST the adapter to " + std::string(io::kPushPath));
     co_await reply(std::move(r));
   } else if (path == "/v1/unload_lora_adapter" || path == "/pause" || path == "/resume" || path == "/reset_prefix_cache") {
     route = path.substr(1);

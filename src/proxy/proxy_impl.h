@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -65,8 +66,10 @@ struct AsyncMutexHeld {
 
 struct RegisteredAdapter {
   std::string name;
-  std::string body;  // verbatim load body, replayed on re-sync
+  std::string body;  // verbatim load body, replayed on re-sync ("" for a push without a lora_path)
   std::uint64_t seq = 0;
+  // A pushed version: its bundle, replayed to a replica that re-syncs (push.cpp).
+  std::shared_ptr<const std::string> bundle;
 };
 
 // Outcome of one call of a broadcast / load / fan-in, for the JSON reply.
@@ -121,6 +124,8 @@ class Proxy::Impl {
   http::Task<http::Response> handle_load(const http::Request& req, const std::string& rid);
   http::Task<http::Response> handle_broadcast(const http::Request& req, const std::string& rid);
   http::Task<http::Response> handle_fan_in(const http::Request& req, const std::string& rid);
+  // push.cpp: two-phase adapter push (moves the request body into the registry).
+  http::Task<http::Response> handle_push(http::Request& req, const std::string& rid);
   http::Task<void> health_loop(int r);
   http::Task<void> reconcile_loop();
   http::Task<void> stats_log_loop();

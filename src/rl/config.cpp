@@ -66,7 +66,7 @@ std::vector<Binding> bindings(TrainConfig& c) {
       {"sync", "server_publish_dir", &c.sync.server_publish_dir}, {"sync", "adapter_prefix", &c.sync.adapter_prefix},
       {"sync", "adapter_retry_interval", &c.sync.adapter_retry_interval},
       {"sync", "adapter_load_deadline", &c.sync.adapter_load_deadline}, {"sync", "blocking", &c.sync.blocking},
-      {"sync", "pause_during_load", &c.sync.pause_during_load},
+      {"sync", "pause_during_load", &c.sync.pause_during_load}, {"sync", "transport", &c.sync.transport},
       {"checkpoint", "save_steps", &c.checkpoint.save_steps}, {"checkpoint", "save_total_limit", &c.checkpoint.save_total_limit},
       {"checkpoint", "save_on_sigterm", &c.checkpoint.save_on_sigterm},
       {"logging", "metrics_file", &c.logging.metrics_file}, {"logging", "group_log", &c.logging.group_log},
@@ -264,6 +264,8 @@ void TrainConfig::validate() const {
                   batching.samples_per_step, g.num_generations);
   if (batching.mode != "count" && batching.mode != "tokens")
     throw_invalid("batching.mode must be \"count\" or \"tokens\", got \"{}\"", batching.mode);
+  if (sync.transport != "auto" && sync.transport != "path" && sync.transport != "push")
+    throw_invalid("sync.transport must be \"auto\", \"path\" or \"push\", got \"{}\"", sync.transport);
   if (batching.row_tokens < generation.context_len)
     throw_invalid("batching.row_tokens ({}) must be >= generation.context_len ({})", batching.row_tokens,
                   generation.context_len);

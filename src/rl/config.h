@@ -83,6 +83,9 @@ struct TrainConfig {
     std::string publish_dir, server_publish_dir, adapter_prefix = "policy";
     double adapter_retry_interval = 0.5, adapter_load_deadline = 300;
     bool blocking = false, pause_during_load = false;
+    // How a version reaches the servers: "path" (load_lora_adapter from the bucket), "push" (its
+    // bytes over HTTP, two-phase through the proxy), "auto" (push where /server_info offers it).
+    std::string transport = "auto";
   } sync;
   struct Checkpoint {
     std::int64_t save_steps = 50, save_total_limit = 3;

@@ -30,7 +30,8 @@ std::string AdapterPublisher::name_of(std::int64_t version) const {
   return prefix_ + "-v" + std::to_string(version);
 }
 
-Published AdapterPublisher::publish(const model::LoraAdapter& adapter, std::int64_t version, std::int64_t step) {
+Published AdapterPublisher::publish(const model::LoraAdapter& adapter, std::int64_t version, std::int64_t step,
+                                   bool keep_files) {
   Published p;
   p.name = name_of(version);
   p.dir = dir_ / p.name;
@@ -40,6 +41,8 @@ Published AdapterPublisher::publish(const model::LoraAdapter& adapter, std::int6
     auto t0 = std::chrono::steady_clock::now();
     adapter.save_peft(staging, /*atomic=*/false);
     p.adapter_sha256 = engine::write_adapter_manifest(staging, p.name, version, step, base_name_, base_sha256_);
+    if (keep_files)
+      for (const char* f : {"adapter_config.json", "adapter_model.safetensors", "manifest.json"}) p.files[f] = read_file(staging / f);
     p.save_s = seconds_since(t0);
     auto t1 = std::chrono::steady_clock::now();
     fsync_path(staging, true);

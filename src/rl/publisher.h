@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,8 @@ struct Published {
   std::string adapter_sha256;
   double save_s = 0;             // serialise + write + fsync the files and the manifest
   double publish_s = 0;          // fsync of the directory + rename + fsync of the parent
+  // With keep_files: every file of the version as written (manifest.json included), for a push.
+  std::map<std::string, std::string> files;
 };
 
 class AdapterPublisher {
@@ -30,7 +33,8 @@ class AdapterPublisher {
   AdapterPublisher(std::filesystem::path adapters_dir, std::string prefix, std::string base_name,
                    std::string base_sha256);
   std::string name_of(std::int64_t version) const;
-  Published publish(const model::LoraAdapter& adapter, std::int64_t version, std::int64_t step);
+  Published publish(const model::LoraAdapter& adapter, std::int64_t version, std::int64_t step,
+                    bool keep_files = false);
   // Versions of this prefix present in the directory (complete ones), ascending.
   std::vector<std::int64_t> existing_versions() const;
   // Removes .staging-* leftovers of a crash; returns how many.

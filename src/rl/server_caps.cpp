@@ -70,6 +70,10 @@ ServerCaps parse_server_info(const json& info) {
   if (const json* d = pick(info, "dtype", "/model_config/dtype"); d && d->is_string()) c.dtype = normalize_dtype(d->get<std::string>());
   if (info.contains("base_model_sha256") && info["base_model_sha256"].is_string())
     c.base_model_sha256 = info["base_model_sha256"].get<std::string>();
+  if (info.contains("adapter_push") && !info["adapter_push"].is_null()) {
+    if (!info["adapter_push"].is_string()) throw_invalid("server_info: adapter_push must be a string or null");
+    c.adapter_push = info["adapter_push"].get<std::string>();
+  }
   return c;
 }
 

@@ -27,6 +27,7 @@ struct ServerCaps {
   std::string served_name;
   std::string dtype;  // "float32" | "bfloat16" | "float16" | what the server said; "" if absent
   std::optional<std::string> base_model_sha256;  // lorasync only
+  std::optional<std::string> adapter_push;       // lorasync: the push bundle format it takes
   bool vllm = false;                              // the nested vLLM shape was read
 };
 

@@ -220,6 +220,12 @@ void Trainer::probe_capabilities() {
   if (caps.base_model_sha256 && *caps.base_model_sha256 != base_sha_)
     refuse("the server's base model (sha256 " + caps.base_model_sha256->substr(0, 12) +
            "...) is not the trainer's model.path (" + base_sha_.substr(0, 12) + "...): both must load the same weights");
+  const bool can_push = caps.adapter_push && *caps.adapter_push == io::kBundleFormat;
+  if (cfg_.sync.transport == "push" && !can_push)
+    refuse("sync.transport = \"push\" but the server does not take pushed adapters (its /server_info has no adapter_push \"" +
+           std::string(io::kBundleFormat) + "\"): use \"path\" or \"auto\"");
+  push_ = cfg_.sync.transport == "push" || (cfg_.sync.transport == "auto" && can_push);
+  LS_LOG_INFO("trainer", "weight sync by {}", push_ ? "push (the adapter's bytes over HTTP)" : "path (load_lora_adapter)");
   if (!caps.dtype.empty() && caps.dtype != model::dtype_name(model_->dtype()))
     LS_LOG_WARN("trainer", "the servers compute in {} but model.dtype is {}: expect ratio != 1", caps.dtype, model::dtype_name(model_->dtype()));
 }

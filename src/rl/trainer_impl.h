@@ -21,6 +21,7 @@
 #include <set>
 #include <thread>
 
+#include "core/io/adapter_manifest.h"
 #include "core/io/checkpoint_dir.h"
 #include "core/model/lora.h"
 #include "core/model/qwen2_model.h"
@@ -162,6 +163,7 @@ class Trainer {
   void sync_thread_main();
   void run_sync(SyncJob& job);
   void load_adapter(const std::string& name, const fs::path& dir);
+  void push_adapter(const Published& p);
   bool unload_adapter(const std::string& name);
   // Unloads the loaded versions beyond the staleness window of `sync_index` (not `keep`) once no
   // request uses them, waiting up to `drain_wait_s` for the cancelled ones to end.
@@ -196,6 +198,7 @@ class Trainer {
   std::unique_ptr<MetricsEndpoint> endpoint_;
   JsonlWriter metrics_, groups_log_;
   std::string served_model_, base_sha_;
+  bool push_ = false;  // weight sync by push (probe_capabilities)
   std::vector<std::int64_t> stop_ids_;
   LossConfig loss_cfg_;
   LossAgg agg_ = LossAgg::kSeqSumConst;

@@ -38,11 +38,36 @@ void Trainer::load_adapter(const std::string& name, const fs::path& dir) {
   if (cfg_.sync.pause_during_load) c.request("POST", "/resume", "{}", 60, true);
 }
 
+void Trainer::push_adapter(const Published& p) {
+  const fs::path server_dir = cfg_.sync.server_publish_dir.empty() ? p.dir : fs::path(cfg_.sync.server_publish_dir) / p.name;
+  std::map<std::string, std::string> files = p.files;
+  const std::string manifest = files.at("manifest.json");
+  files.erase("manifest.json");
+  const std::string body = io::make_adapter_bundle(p.name, server_dir.string(), manifest, files);
+  const double deadline = now_s() + cfg_.sync.adapter_load_deadline;
+  auto& c = sync_client_ ? *sync_client_ : *client_;
+  if (cfg_.sync.pause_during_load) c.request("POST", "/pause?mode=keep", "{}", 60, true);
+  for (;;) {
+    auto r = c.request("POST", std::string(io::kPushPath), body, cfg_.sync.adapter_load_deadline + 30, true,
+                       "application/octet-stream");
+    if (r.status == 200) break;
+    const std::string msg = r.status ? http::error_message_of(r.body) : r.message;
+    const bool transient = r.status == 0 || r.status == 429 || r.status >= 500;
+    if (!transient || now_s() > deadline) {
+      if (cfg_.sync.pause_during_load) c.request("POST", "/resume", "{}", 60, true);
+      throw Error(ErrorKind::kUnavailable, "pushing adapter " + p.name + " failed (" +
+                                               (r.status ? "HTTP " + std::to_string(r.status) : std::string("transport")) + "): " + msg);
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(cfg_.sync.adapter_retry_interval));
+  }
+  if (cfg_.sync.pause_during_load) c.request("POST", "/resume", "{}", 60, true);
+}
+
 void Trainer::run_sync(SyncJob& job) {
   const double t0 = now_s();
   SyncDone d;
   d.version = job.version;
-  Published p = publisher_->publish(job.snapshot, job.version, job.step);
+  Published p = publisher_->publish(job.snapshot, job.version, job.step, push_);
   d.save_s = p.save_s;
   d.publish_s = p.publish_s;
   VersionInfo vi{job.version, job.sync_index, p.name, p.adapter_sha256};
@@ -51,7 +76,8 @@ void Trainer::run_sync(SyncJob& job) {
   // before the load: with --max-loras = max_staleness + 2 its slot is the one the load needs.
   retire_versions(job.version, job.sync_index - 1, 0);
   const double l0 = now_s();
-  load_adapter(p.name, p.dir);
+  if (push_) push_adapter(p);
+  else load_adapter(p.name, p.dir);
   d.load_s = now_s() - l0;
   {
     std::lock_guard lk(sync_mu_);

@@ -26,6 +26,8 @@
 #include "core/model/qwen2_model.h"
 #include "core/model/runtime.h"
 #include "core/tokenizer/tokenizer.h"
+#include "core/io/adapter_manifest.h"
+#include "engine/adapter_store.h"
 #include "engine/engine.h"
 #include "http/server.h"
 #include "server/offload.h"
@@ -146,10 +148,11 @@ struct ApiServer::Impl {
   // Only known routes become a label value; any other path (a scan, a typo, a 401) is "other",
   // so the series stay bounded and the label never holds client bytes.
   static const std::string& route_label(const std::string& path) {
-    static const std::array<std::string, 15> kRoutes = {
+    static const std::array<std::string, 19> kRoutes = {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/server_info", "/metrics",
         "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume",
-        "/is_paused", "/reset_prefix_cache", "/get_world_size"};
+        "/is_paused", "/reset_prefix_cache", "/get_world_size", std::string(io::kPushPath), std::string(io::kPreparePath),
+        std::string(io::kCommitPath), std::string(io::kAbortPath)};
     static const std::string kOther = "other";
     for (const auto& r : kRoutes)
       if (r == path) return r;
@@ -204,6 +207,7 @@ http::Response ApiServer::Impl::server_info(bool vllm) const {
                {"kv_cache", {{"block_size", opt.block_size}, {"num_blocks", engine->kv_num_blocks()},
                              {"enable_prefix_caching", opt.enable_prefix_caching}}},
                {"base_model_sha256", base_sha256},
+               {"adapter_push", opt.max_loras > 0 ? json(io::kBundleFormat) : json(nullptr)},
                {"version", LORASYNC_VERSION}};
   if (vllm) {
     json v = {{"model_config", {{"model", served_name}, {"dtype", info["dtype"]}, {"max_model_len", info["max_model_len"]}}},
@@ -230,6 +234,7 @@ std::string ApiServer::Impl::metrics() const {
   gauge("kv_blocks_free", "KV blocks free or evictable", static_cast<double>(s.kv_blocks_total - s.kv_blocks_used));
   gauge("kv_blocks_cached", "KV blocks registered in the prefix cache", static_cast<double>(s.kv_blocks_cached));
   gauge("adapters_resident", "LoRA adapters resident", static_cast<double>(engine->adapters().size()));
+  gauge("adapters_prepared", "pushed adapters prepared in a slot, waiting for their commit", static_cast<double>(engine->staged_adapters()));
   counter("requests_total", "requests accepted", static_cast<double>(s.requests_total));
   counter("requests_finished_total", "requests finished", static_cast<double>(s.requests_finished));
   counter("requests_aborted_total", "requests aborted", static_cast<double>(s.requests_aborted));
@@ -476,6 +481,46 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
                   lpath, out.sha256.substr(0, 12));
       r = http::json_response(200, json{{"status", "ok"}, {"lora_name", name}, {"adapter_sha256", out.sha256},
                                         {"rank", out.rank}, {"resident", out.resident}, {"created", out.created}}.dump());
+    } else if (path == io::kPushPath || path == io::kPreparePath) {
+      // An adapter version in the body (docs/http-api.md, "Adapter push"): verified and placed in
+      // a slot off the io threads; push makes it visible at once, prepare waits for a commit.
+      need("POST");
+      const bool prepare = path == io::kPreparePath;
+      auto body = std::make_shared<std::string>(std::move(req.body));
+      std::function<engine::LoadOutcome()> job = [this, body, prepare] {
+        const io::AdapterBundle b = io::parse_adapter_bundle(*body);
+        engine::AdapterLoadPolicy policy;
+        policy.max_rank = opt.max_lora_rank;
+        policy.base_sha256 = base_sha256;
+        auto a = engine::adapter_from_bundle(b, policy, model->config(), model->device());
+        return (prepare ? engine->stage_adapter(std::move(a), opt.adapter_prepare_ttl_s) : engine->install_adapter(std::move(a))).get();
+      };
+      auto pending = start_offload<engine::LoadOutcome>(*blocking, co_await net::this_coro::executor, std::move(job));
+      engine::LoadOutcome out = co_await finish_offload(pending);
+      const std::string name = io::parse_adapter_bundle(*body, false).lora_name;
+      LS_LOG_INFO("server", "adapter {} {} by push (sha256 {})", name,
+                  prepare ? (out.created ? "prepared" : "already prepared or loaded") : (out.created ? "loaded" : "already loaded"),
+                  out.sha256.substr(0, 12));
+      r = http::json_response(200, json{{"status", prepare ? "prepared" : "ok"}, {"lora_name", name}, {"adapter_sha256", out.sha256},
+                                        {"rank", out.rank}, {"resident", out.resident}, {"created", out.created}}.dump());
+    } else if (path == io::kCommitPath || path == io::kAbortPath) {
+      need("POST");
+      auto j = parse_body(req.body);
+      auto name = string_field(j, "lora_name");
+      if (path == io::kCommitPath) {
+        std::function<engine::LoadOutcome()> job = [this, name] { return engine->commit_adapter(name).get(); };
+        auto pending = start_offload<engine::LoadOutcome>(*blocking, co_await net::this_coro::executor, std::move(job));
+        engine::LoadOutcome out = co_await finish_offload(pending);
+        LS_LOG_INFO("server", "adapter {} {}", name, out.created ? "committed" : "already loaded");
+        r = http::json_response(200, json{{"status", "ok"}, {"lora_name", name}, {"adapter_sha256", out.sha256},
+                                          {"rank", out.rank}, {"resident", out.resident}, {"created", out.created}}.dump());
+      } else {
+        std::function<std::string()> job = [this, name] { return engine->abort_staged(name).get(); };
+        auto pending = start_offload<std::string>(*blocking, co_await net::this_coro::executor, std::move(job));
+        std::string status = co_await finish_offload(pending);
+        LS_LOG_INFO("server", "adapter {}: prepare {}", name, status);
+        r = http::json_response(200, json{{"status", status}, {"lora_name", name}}.dump());
+      }
     } else if (path == "/v1/unload_lora_adapter") {
       need("POST");
       auto j = parse_body(req.body);
@@ -576,6 +621,11 @@ ApiServer::ApiServer(ServeOptions o) : impl_(std::make_unique<Impl>()) {
   so.threads = std::max(1, I.opt.http_threads);
   so.max_body_bytes = I.opt.max_body_bytes;
   so.max_connections = I.opt.max_connections;
+  if (!(I.opt.adapter_prepare_ttl_s > 0))
+    throw_invalid("--adapter-prepare-ttl must be positive, got {}", I.opt.adapter_prepare_ttl_s);
+  // A push carries a whole adapter version: the largest one of --max-lora-rank plus its header.
+  const std::uint64_t push_limit = engine::max_adapter_weights_bytes(I.model->config(), I.opt.max_lora_rank) + (2ull << 20);
+  so.route_body_limits = {{std::string(io::kPushPath), push_limit}, {std::string(io::kPreparePath), push_limit}};
   Impl* ip = &I;
   I.http = std::make_unique<http::Server>(so, [ip](http::Request& req, http::ResponseWriter& w) -> Task<void> {
     return ip->handle(req, w);

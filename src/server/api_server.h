@@ -41,7 +41,9 @@ struct ServeOptions {
   std::size_t max_connections = 0;          // 0: from the open-file limit; more: 503
   std::int64_t max_queued_seqs = 0;         // 0 = max(4096, 16 x max_num_seqs); more: 429
   double step_timeout_s = 120;              // /health answers 503 while a step runs longer
+  double adapter_prepare_ttl_s = 120;       // a prepared (pushed, uncommitted) adapter's slot is reclaimable after
 };
+
 
 class ApiServer {
  public:

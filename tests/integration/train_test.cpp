@@ -1,7 +1,7 @@
 // Integration of `lorasync train` with real `lorasync serve` replicas (binaries on loopback, port
 // 0) behind `lorasync proxy`, sharing a temporary bucket directory (trainer.md §9):
 //  - smoke: 6 steps, G = 4, 16 samples per step, sync every 2 steps, max_staleness 1: versions 1..4
-//    published and loaded on both replicas, metrics.jsonl with the spec's keys, /metrics served,
+//    published and pushed to both replicas (sync.transport = auto; the tight-slots test syncs by path), metrics.jsonl with the spec's keys, /metrics served,
 //    the final adapter loads back as PEFT, the replicas hold no version of the run after exit;
 //  - ratio: fp32 on both sides, an initial adapter with non-zero B, lr = 0: ratio within 1e-4 at
 //    every step (step_start), and mismatch/kl < 1e-6 with recompute; against one server directly;
@@ -211,8 +211,9 @@ TEST_F(TrainFixture, TightAdapterSlotsSyncEveryStep) {
   const std::string cfg = config(port, "");
   auto r = testing::run_lorasync("train --overwrite --config " + testing::shell_quote(cfg) +
                                  " --set max_steps=6 --set sync.weight_sync_steps=1 --set generation.max_new_tokens=48" +
-                                 " --set sync.adapter_load_deadline=20");
+                                 " --set sync.adapter_load_deadline=20 --set sync.transport=path");
   ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("weight sync by path"), std::string::npos);
   auto metrics = read_jsonl(bucket_ / "metrics.jsonl");
   ASSERT_EQ(metrics.size(), 6u);
   // Staleness is what each step trained at: a switch during the step never shows max_staleness + 1.

@@ -384,6 +384,73 @@ TEST(Engine, AdapterLifecycle) {
   }
 }
 
+TEST(Engine, TwoPhaseLoadStagesInvisiblyCommitsAndReclaimsExpiredSlots) {
+  auto opts = small_opts();
+  opts.max_loras = 2;
+  Engine e(env().model, env().tokenizer, opts);
+  SamplingParams p;
+  p.max_tokens = 2;
+  p.temperature = 0;
+  p.ignore_eos = true;
+  // Prepared: a slot holds it, nothing sees it.
+  EXPECT_TRUE(e.stage_adapter(make_adapter("s1", 1), 60).get().created);
+  EXPECT_EQ(e.staged_adapters(), 1);
+  EXPECT_TRUE(e.adapters().empty());
+  EXPECT_FALSE(e.find_adapter("s1"));
+  try {
+    run(e, "s1", prompt_of(1, 8), p, "early");
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kNotFound);
+  }
+  // Preparing the same content again renews it; other content under the name is refused.
+  EXPECT_FALSE(e.stage_adapter(make_adapter("s1", 1), 60).get().created);
+  try {
+    e.stage_adapter(make_adapter("s1", 2), 60).get();
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kConflict);
+  }
+  // Commit: visible and serving; a second commit is a no-op.
+  auto c = e.commit_adapter("s1").get();
+  EXPECT_TRUE(c.created);
+  EXPECT_EQ(c.resident, 1);
+  EXPECT_EQ(e.staged_adapters(), 0);
+  EXPECT_FALSE(e.commit_adapter("s1").get().created);
+  auto out = run(e, "s1", prompt_of(1, 8), p, "served");
+  out->wait();
+  EXPECT_EQ(out->choice(0).ids.size(), 2u);
+  // Preparing a loaded name with its content is a no-op, with other content a conflict.
+  EXPECT_FALSE(e.stage_adapter(make_adapter("s1", 1), 60).get().created);
+  EXPECT_THROW(e.stage_adapter(make_adapter("s1", 3), 60).get(), Error);
+  // Abort frees the slot; aborting again or what was never prepared is harmless; committing
+  // what is not prepared is NotFound.
+  e.stage_adapter(make_adapter("s2", 2), 60).get();
+  EXPECT_EQ(e.abort_staged("s2").get(), "aborted");
+  EXPECT_EQ(e.abort_staged("s2").get(), "not_prepared");
+  try {
+    e.commit_adapter("s2").get();
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kNotFound);
+  }
+  // A prepared slot whose commit never came within its deadline is reused by the next load
+  // (two slots: s1 resident, s3 prepared with a deadline already past).
+  e.stage_adapter(make_adapter("s3", 3), -1).get();
+  EXPECT_TRUE(e.install_adapter(make_adapter("s4", 4)).get().created);
+  EXPECT_EQ(e.staged_adapters(), 0);
+  EXPECT_THROW(e.commit_adapter("s3").get(), Error);
+  // While its deadline holds, a prepared slot is not taken: no slot is free.
+  EXPECT_EQ(e.unload_adapter("s4").get(), "unloaded");
+  e.stage_adapter(make_adapter("s5", 5), 60).get();
+  try {
+    e.install_adapter(make_adapter("s6", 6)).get();
+    FAIL();
+  } catch (const Error& err) {
+    EXPECT_EQ(err.kind(), ErrorKind::kUnavailable);
+  }
+}
+
 TEST(Engine, AbortAndPauseAbort) {
   Engine e(env().model, env().tokenizer, small_opts());
   e.pause(PauseMode::kKeep);

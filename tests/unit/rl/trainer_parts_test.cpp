@@ -274,8 +274,10 @@ TEST(ServerCaps, ReadsVllmNestedAndLorasyncFlatShapes) {
 
   const json flat = json::parse(R"({"model": "tiny", "dtype": "float32", "max_model_len": 2048,
     "lora_config": {"max_loras": 8, "max_lora_rank": 16, "target_modules": ["q_proj", "v_proj"]},
-    "parallel_config": {"data_parallel_size": 1}, "base_model_sha256": "ab12"})");
+    "parallel_config": {"data_parallel_size": 1}, "base_model_sha256": "ab12", "adapter_push": "lorasync-push/1"})");
   ServerCaps f = parse_server_info(flat);
+  EXPECT_EQ(f.adapter_push.value_or(""), "lorasync-push/1");
+  EXPECT_FALSE(v.adapter_push.has_value());  // vLLM takes adapters by path only
   EXPECT_FALSE(f.vllm);
   EXPECT_EQ(f.served_name, "tiny");
   EXPECT_EQ(f.max_loras, 8);
@@ -288,6 +290,7 @@ TEST(ServerCaps, ReadsVllmNestedAndLorasyncFlatShapes) {
   for (auto [bad, key] : {std::pair<json, std::string>{json::parse(R"({"lora_config": {"max_loras": "6"}})"), "max_loras"},
                           {json::parse(R"({"vllm_config": {"model_config": {"max_model_len": 1.5}}})"), "max_model_len"},
                           {json::parse(R"({"lora_config": 3})"), "lora_config"},
+                          {json::parse(R"({"adapter_push": 1})"), "adapter_push"},
                           {json::parse("[]"), "object"}}) {
     try {
       parse_server_info(bad);

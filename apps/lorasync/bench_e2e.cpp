@@ -1,0 +1,135 @@
+// `lorasync bench e2e`: the demo's configuration (2 replicas, the proxy, the trainer, separate
+// processes on this machine; demo.md) for a fixed number of steps, once per sync transport. From
+// each run's metrics.jsonl: steps/s, where a step's time goes (waiting for rollouts = generation
+// bound; forward/backward, recompute and optimizer = trainer bound; waiting for a weight sync),
+// and the sync's share of the wall time. Baseline (same run): the path transport's figures.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+#include "commands.h"
+#include "util/bench_report.h"
+#include "util/error.h"
+#include "util/files.h"
+#include "util/log.h"
+#include "util/strings.h"
+
+namespace lorasync::cli {
+
+namespace {
+
+using nlohmann::json;
+
+struct BenchE2eOptions {
+  std::int64_t steps = 12;
+  std::string transports = "path,push";
+  std::int64_t seed = 1;
+};
+
+std::vector<json> read_metrics(const fs::path& f) {
+  std::vector<json> out;
+  std::ifstream in(f);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) out.push_back(json::parse(line));
+  return out;
+}
+
+int run_child(const std::vector<std::string>& argv, const fs::path& log) {
+  const pid_t pid = ::fork();
+  if (pid < 0) throw_env("fork failed");
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  int st = 0;
+  while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+int run(const BenchE2eOptions& o) {
+  TempDir tmp("lorasync-bench-e2e");
+  std::error_code ec;
+  const std::string self = fs::read_symlink("/proc/self/exe", ec).string();
+  if (ec) throw_env("bench e2e: cannot find its own executable: {}", ec.message());
+  BenchReporter rep;
+  std::map<std::string, std::map<std::string, double>> by_transport;
+  for (const auto& t : split(o.transports, ',')) {
+    if (t != "path" && t != "push") throw_invalid("--transports takes path and push, got {}", t);
+    const fs::path dir = tmp.path() / t;
+    LS_LOG_INFO("bench", "bench e2e: demo, {} steps, sync by {} (log {})", o.steps, t, (tmp.path() / (t + ".log")).string());
+    const double t0 = now_seconds();
+    const int code = run_child({self, "demo", "--run-dir", dir.string(), "--steps", std::to_string(o.steps), "--eval-problems", "4",
+                                "--eval-samples", "1", "--seed", std::to_string(o.seed), "--sync-transport", t},
+                               tmp.path() / (t + ".log"));
+    const double demo_s = now_seconds() - t0;
+    if (code != 0) throw_env("bench e2e: the demo (sync by {}) exited {}: {}", t, code, read_file(tmp.path() / (t + ".log")).substr(0, 4000));
+    fs::path mfile;
+    for (auto it = fs::recursive_directory_iterator(dir); it != fs::recursive_directory_iterator(); ++it)
+      if (it->path().filename() == "metrics.jsonl") mfile = it->path();
+    if (mfile.empty()) throw_env("bench e2e: the demo wrote no metrics.jsonl under {}", dir.string());
+    auto ms = read_metrics(mfile);
+    if (ms.size() < 2) throw_env("bench e2e: {} steps recorded", ms.size());
+    double step = 0, wait = 0, train = 0, sync_wait = 0, sync = 0, syncs = 0;
+    std::vector<double> sync_each;
+    for (const auto& m : ms) {
+      auto get = [&](const char* k) { return m.contains(k) && m[k].is_number() ? m[k].get<double>() : 0.0; };
+      step += get("perf/step_s");
+      wait += get("perf/rollout_wait_s");
+      train += get("perf/fwd_bwd_s") + get("perf/recompute_s") + get("perf/optimizer_s");
+      sync_wait += get("perf/weight_sync_wait_s");
+      if (m.contains("perf/weight_sync_s")) {
+        sync += get("perf/weight_sync_s");
+        sync_each.push_back(get("perf/weight_sync_s") * 1e3);
+        ++syncs;
+      }
+    }
+    const double wall = ms.back()["time"].get<double>() - ms.front()["time"].get<double>() + ms.front()["perf/step_s"].get<double>();
+    auto& v = by_transport[t];
+    v["steps_per_s"] = static_cast<double>(ms.size()) / wall;
+    v["generation_bound_share"] = wait / step;
+    v["trainer_bound_share"] = train / step;
+    v["sync_wait_share"] = sync_wait / step;
+    v["sync_share_of_wall"] = sync / wall;
+    v["sync_p50_ms"] = percentile(sync_each, 50);
+    json cj = {{"transport", t}, {"steps", ms.size()}, {"syncs", syncs}, {"wall_s", wall}, {"demo_total_s", demo_s}};
+    auto base = [&](const char* k) -> std::optional<double> {
+      if (t == "path" || !by_transport.count("path")) return std::nullopt;
+      return by_transport["path"][k];
+    };
+    rep.emit({"e2e", "steps_per_s", v["steps_per_s"], "steps/s", base("steps_per_s"), cj});
+    rep.emit({"e2e", "generation_bound_share", v["generation_bound_share"], "fraction", std::nullopt, cj});
+    rep.emit({"e2e", "trainer_bound_share", v["trainer_bound_share"], "fraction", std::nullopt, cj});
+    rep.emit({"e2e", "sync_wait_share", v["sync_wait_share"], "fraction", base("sync_wait_share"), cj});
+    rep.emit({"e2e", "sync_share_of_wall", v["sync_share_of_wall"], "fraction", base("sync_share_of_wall"), cj});
+    rep.emit({"e2e", "sync_p50_ms", v["sync_p50_ms"], "ms", base("sync_p50_ms"), cj});
+  }
+  rep.print_table();
+  return 0;
+}
+
+}  // namespace
+
+void register_bench_e2e(CLI::App& bench, Registry& reg) {
+  auto o = std::make_shared<BenchE2eOptions>();
+  auto* sub = bench.add_subcommand("e2e", "the demo's configuration for a fixed number of steps, per sync transport");
+  sub->add_option("--steps", o->steps, "GRPO steps per run")->capture_default_str();
+  sub->add_option("--transports", o->transports, "path,push")->capture_default_str();
+  sub->add_option("--seed", o->seed)->capture_default_str();
+  reg.add(sub, [o] { return run(*o); });
+}
+
+}  // namespace lorasync::cli
