@@ -52,7 +52,7 @@ struct BenchSyncOptions {
   std::int64_t rank = 1;
   int repeats = 20;
   std::string lags = "0,2";          // emulated bucket lags, s
-  std::string transports = "push,path";
+  std::string transports = "path,push";  // path first: the baseline of the push figures
   std::string bucket;                // the trainer's bucket directory ("" = a temp dir)
   std::string bucket_view;           // the replicas' view of it (a real mount: no emulated lag)
   double retry_interval = 0.5;       // the proxy's "No adapter found" retry interval, s

@@ -9,7 +9,9 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "core/io/adapter_manifest.h"
 #include "proxy/prompt_scan.h"
+#include "util/error.h"
 
 namespace lorasync::bench {
 
@@ -52,6 +54,10 @@ std::vector<std::string> StubReplica::loaded() const {
   std::lock_guard lk(mu_);
   return loaded_;
 }
+std::vector<std::string> StubReplica::prepared() const {
+  std::lock_guard lk(mu_);
+  return prepared_;
+}
 void StubReplica::add_adapter(const std::string& name) {
   std::lock_guard lk(mu_);
   loaded_.push_back(name);
@@ -60,6 +66,7 @@ void StubReplica::add_adapter(const std::string& name) {
 void StubReplica::forget_adapters() {
   std::lock_guard lk(mu_);
   loaded_.clear();
+  prepared_.clear();
   cache_.clear();
 }
 
@@ -212,6 +219,61 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
       http::Response resp_ = json(200, {{"status", "ok"}, {"lora_name", name}, {"created", created}});
       co_await w.send(std::move(resp_));
     }
+    co_return;
+  }
+  if (path == io::kPreparePath || path == io::kPushPath) {
+    // Only the framing is checked: the stub has no model to verify the weights against.
+    std::string name, refused;
+    try {
+      name = io::parse_adapter_bundle(req.body, false).lora_name;
+    } catch (const Error& e) {
+      refused = e.what();
+    }
+    int fail = prepare_fail_status.load();
+    if (!refused.empty() || fail != 0) {
+      http::Response resp_ = refused.empty() ? http::error_response(fail, "stub refuses the push of " + name)
+                                             : http::error_response(400, refused);
+      co_await w.send(std::move(resp_));
+      co_return;
+    }
+    std::unique_lock lk(mu_);
+    const bool created = std::find(loaded_.begin(), loaded_.end(), name) == loaded_.end();
+    if (created && path == io::kPushPath) loaded_.push_back(name);
+    if (created && path == io::kPreparePath && std::find(prepared_.begin(), prepared_.end(), name) == prepared_.end())
+      prepared_.push_back(name);
+    lk.unlock();
+    http::Response resp_ = json(200, {{"status", path == io::kPushPath ? "ok" : "prepared"}, {"lora_name", name}, {"created", created}});
+    co_await w.send(std::move(resp_));
+    co_return;
+  }
+  if (path == io::kCommitPath || path == io::kAbortPath) {
+    nlohmann::json j = nlohmann::json::parse(req.body, nullptr, false);
+    std::string name = j.is_object() ? j.value("lora_name", std::string()) : std::string();
+    if (path == io::kCommitPath && commit_fault.load() == 1) {
+      // A replica that died between prepare and commit: the answer starts and never completes.
+      http::Headers hh;
+      hh.add("Content-Type", "application/json");
+      co_await w.start(200, hh, 1000);
+      w.abort();
+      co_return;
+    }
+    if (path == io::kCommitPath && commit_fault.load() == 2) {
+      http::Response resp_ = http::error_response(500, "stub fails the commit of " + name);
+      co_await w.send(std::move(resp_));
+      co_return;
+    }
+    std::unique_lock lk(mu_);
+    auto it = std::find(prepared_.begin(), prepared_.end(), name);
+    const bool was_prepared = it != prepared_.end();
+    if (was_prepared) prepared_.erase(it);
+    const bool resident = std::find(loaded_.begin(), loaded_.end(), name) != loaded_.end();
+    if (path == io::kCommitPath && was_prepared) loaded_.push_back(name);
+    lk.unlock();
+    http::Response resp_ = path == io::kAbortPath
+                               ? json(200, {{"status", was_prepared ? "aborted" : "not_prepared"}, {"lora_name", name}})
+                           : was_prepared || resident ? json(200, {{"status", "ok"}, {"lora_name", name}, {"created", was_prepared}})
+                                                      : http::error_response(404, "adapter '" + name + "' is not prepared");
+    co_await w.send(std::move(resp_));
     co_return;
   }
   if (path == "/v1/unload_lora_adapter") {

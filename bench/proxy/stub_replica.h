@@ -58,11 +58,16 @@ class StubReplica {
   std::atomic<double> latency_s{0};
   std::atomic<int> load_fail_status{0};
   std::atomic<double> load_delay_s{0};    // a load answers after this long (a slow disk)
+  // Adapter push (docs/http-api.md): a prepare answers this status when != 0; a commit fails
+  // (1: the connection is closed without an answer, as a replica that died; 2: 500).
+  std::atomic<int> prepare_fail_status{0};
+  std::atomic<int> commit_fault{0};
   // Completions for a model that is neither the base ("m" or "base") nor loaded answer 404.
   std::atomic<bool> strict_models{false};
 
   std::vector<StubCall> calls() const;
   std::vector<std::string> loaded() const;
+  std::vector<std::string> prepared() const;  // pushed, not committed
   void forget_adapters();                 // simulate a restart without state
   void add_adapter(const std::string& name);  // loaded behind the proxy's back
   bool paused() const { return paused_.load(); }  // the last of /pause and /resume was /pause
@@ -80,6 +85,7 @@ class StubReplica {
   mutable std::mutex mu_;
   std::vector<StubCall> calls_;
   std::vector<std::string> loaded_;
+  std::vector<std::string> prepared_;
   std::set<std::pair<std::uint64_t, std::uint64_t>> cache_;
   int load_tries_ = 0;
   std::atomic<bool> paused_{false};

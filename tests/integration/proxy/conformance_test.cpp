@@ -18,10 +18,12 @@
 #include <thread>
 
 #include "bench/proxy/stub_replica.h"
+#include "core/io/adapter_manifest.h"
 #include "http/client.h"
 #include "http/server.h"
 #include "proxy/proxy.h"
 #include "util/error.h"
+#include "util/sha256.h"
 #include <set>
 #include "util/bench_report.h"
 
@@ -333,6 +335,73 @@ bool eventually(const std::function<bool()>& done, double seconds = 10) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return done();
+}
+
+// Adapter push (docs/http-api.md), two-phase across the fleet.
+std::string push_body(const std::string& name) {
+  const std::string cfg = "{}", weights(1000, 'w');
+  json m = {{"files", {{"adapter_config.json", {{"bytes", cfg.size()}, {"sha256", sha256_hex(cfg)}}},
+                       {"adapter_model.safetensors", {{"bytes", weights.size()}, {"sha256", sha256_hex(weights)}}}}}};
+  return io::make_adapter_bundle(name, "", m.dump(), {{"adapter_config.json", cfg}, {"adapter_model.safetensors", weights}});
+}
+
+TEST(ProxyConformance, PushCommitsOnlyWhenEveryReplicaPreparedElseAbortsEverywhere) {
+  Fleet f(2, {}, [](bench::StubOptions&, int) {});
+  http::Headers oct;
+  oct.add("Content-Type", "application/octet-stream");
+  auto r = call(f.port(), "POST", "/v1/lorasync/adapters/push", push_body("policy-v1"), oct);
+  ASSERT_EQ(r.status, 200) << r.body;
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(f.stubs[static_cast<std::size_t>(i)]->loaded(), std::vector<std::string>{"policy-v1"});
+    EXPECT_EQ(f.count(i, "/v1/lorasync/adapters/prepare"), 1);
+    EXPECT_EQ(f.count(i, "/v1/lorasync/adapters/commit"), 1);
+  }
+  EXPECT_EQ(f.proxy->stats()["fleet"]["registry"], json::array({"policy-v1"}));
+  // One replica refuses: the other's prepared copy is aborted, nothing is visible, not registered.
+  f.stubs[1]->prepare_fail_status = 409;
+  r = call(f.port(), "POST", "/v1/lorasync/adapters/push", push_body("policy-v2"), oct);
+  EXPECT_EQ(r.status, 409) << r.body;
+  EXPECT_NE(r.j()["error"]["message"].get<std::string>().find("stub refuses the push of policy-v2"), std::string::npos) << r.body;
+  EXPECT_EQ(f.count(0, "/v1/lorasync/adapters/abort"), 1);
+  EXPECT_EQ(f.count(0, "/v1/lorasync/adapters/commit"), 1);  // only policy-v1's
+  EXPECT_TRUE(f.stubs[0]->prepared().empty());
+  EXPECT_EQ(f.stubs[0]->loaded(), std::vector<std::string>{"policy-v1"});
+  EXPECT_EQ(f.proxy->stats()["fleet"]["registry"], json::array({"policy-v1"}));
+  // A body that is not a bundle never reaches a replica; the phases are not open to clients.
+  EXPECT_EQ(call(f.port(), "POST", "/v1/lorasync/adapters/push", "junk", oct).status, 400);
+  EXPECT_EQ(call(f.port(), "POST", "/v1/lorasync/adapters/commit", R"({"lora_name":"policy-v1"})").status, 404);
+  EXPECT_EQ(f.count(0, "/v1/lorasync/adapters/prepare"), 2);
+}
+
+TEST(ProxyConformance, AReplicaLostBetweenPrepareAndCommitIsEjectedAndResyncedFromTheProxysCopy) {
+  Fleet f(2, [](ProxyConfig& c) { c.eject_cooldown = 0.2; });
+  http::Headers oct;
+  oct.add("Content-Type", "application/octet-stream");
+  f.stubs[1]->commit_fault = 1;  // dies after preparing: its commit never answers
+  const std::string body = push_body("policy-v1");
+  auto r = call(f.port(), "POST", "/v1/lorasync/adapters/push", body, oct);
+  ASSERT_EQ(r.status, 200) << r.body;  // the point of no return was passed: the others commit
+  EXPECT_EQ(r.j()["succeeded"], 1);
+  EXPECT_EQ(r.j()["replicas"][1]["outcome"], "commit_failed");
+  EXPECT_EQ(f.stubs[0]->loaded(), std::vector<std::string>{"policy-v1"});
+  EXPECT_NE(json::parse(call(f.port(), "GET", "/proxy/stats").body)["upstreams"][1]["state"], "in_service");
+  // Back (and empty, as after a restart): re-synced with the pushed bytes before it serves.
+  f.stubs[1]->commit_fault = 0;
+  f.stubs[1]->forget_adapters();
+  ASSERT_TRUE(eventually([&] {
+    return json::parse(call(f.port(), "GET", "/proxy/stats").body)["upstreams"][1]["state"] == "in_service";
+  }));
+  EXPECT_EQ(f.stubs[1]->loaded(), std::vector<std::string>{"policy-v1"});
+  bool replayed = false;
+  for (const auto& c : f.stubs[1]->calls())
+    if (c.target == "/v1/lorasync/adapters/push") replayed = c.body == body;
+  EXPECT_TRUE(replayed) << "the re-sync did not replay the proxy's copy of the push";
+  // A commit that answers an error is handled the same way.
+  f.stubs[0]->commit_fault = 2;
+  r = call(f.port(), "POST", "/v1/lorasync/adapters/push", push_body("policy-v2"), oct);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(f.stubs[1]->loaded(), (std::vector<std::string>{"policy-v1", "policy-v2"}));
+  EXPECT_NE(json::parse(call(f.port(), "GET", "/proxy/stats").body)["upstreams"][0]["state"], "in_service");
 }
 
 // A replica out of service while the fleet resumes and unloads rejoins in the fleet's state:
