@@ -4,6 +4,10 @@
 // proxy-added latency p50/p99 (client latency minus the stub's reported service time), proxy CPU
 // seconds per 1k requests, proxy peak RSS, bytes per tracked block at 500k entries, routing
 // counters and the stubs' ground-truth prefix reuse.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,7 +42,36 @@ struct BenchProxyOptions {
   double stub_latency = 0;   // zero-service-time stubs by default
   int proxy_threads = 1;
   int client_threads = 1;
+  // The HF Python proxy (lora_proxy.py of AmineDiro/hfjobs-lora-buckets), fetched by the user
+  // into a temporary directory and run with Debian's python3-aiohttp: the same load goes through
+  // it in the same run. Never committed here.
+  std::string reference;
+  std::string python = "python3";
 };
+
+std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0)
+    throw_env("bench proxy: no free port");
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+bool port_open(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return ok;
+}
 
 struct Child {
   pid_t pid = -1;
@@ -76,6 +109,34 @@ Child spawn_proxy(const std::vector<std::string>& upstreams, int threads) {
   Child ch;
   ch.pid = pid;
   ch.port = static_cast<std::uint16_t>(std::stoi(line.substr(colon + 1)));
+  return ch;
+}
+
+// The reference proxy: `python3 FILE` with its environment (UPSTREAM_URLS, PROXY_PORT, HF_TOKEN).
+Child spawn_reference(const BenchProxyOptions& o, const std::vector<std::string>& upstreams) {
+  Child ch;
+  ch.port = free_port();
+  std::string urls;
+  for (const auto& u : upstreams) urls += (urls.empty() ? "" : ",") + u;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    for (int fd = 3; fd < 65536; ++fd) close(fd);
+    const int devnull = ::open("/dev/null", O_WRONLY);
+    if (devnull >= 0) dup2(devnull, 1);
+    setenv("UPSTREAM_URLS", urls.c_str(), 1);
+    setenv("PROXY_PORT", std::to_string(ch.port).c_str(), 1);
+    setenv("HF_TOKEN", "bench", 1);
+    setenv("PROXY_STATS_EVERY_S", "0", 1);
+    execlp(o.python.c_str(), o.python.c_str(), o.reference.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ch.pid = pid;
+  for (int i = 0; i < 300 && !port_open(ch.port); ++i) {
+    int st = 0;
+    if (waitpid(pid, &st, WNOHANG) == pid) throw_env("the reference proxy ({} {}) exited at start", o.python, o.reference);
+    usleep(50000);
+  }
+  if (!port_open(ch.port)) throw_env("the reference proxy did not listen on {} within 15 s", ch.port);
   return ch;
 }
 
@@ -212,8 +273,48 @@ int run(const BenchProxyOptions& o) {
     int st;
     waitpid(ch.pid, &st, 0);
     std::uint64_t pt = s0.prompt_tokens() + s1.prompt_tokens() - p0, ct = s0.cached_tokens() + s1.cached_tokens() - c0;
+    // The reference proxy, same stubs, same trace, caches reset again.
+    struct Ref {
+      RunResult run;
+      double cpu = 0, unmatched = 0;
+    };
+    std::optional<Ref> ref;
+    if (!o.reference.empty()) {
+      get_json(*direct[0], "/reset_prefix_cache");
+      get_json(*direct[1], "/reset_prefix_cache");
+      Child rc = spawn_reference(o, {s0.url(), s1.url()});
+      Ref rf;
+      const double rcpu0 = proc_cpu_s(rc.pid);
+      rf.run = drive({"http://127.0.0.1:" + std::to_string(rc.port)}, trace, conc, o.client_threads);
+      rf.cpu = proc_cpu_s(rc.pid) - rcpu0;
+      std::unique_ptr<http::Pool> rp = std::make_unique<http::Pool>(*http::Url::parse("http://127.0.0.1:" + std::to_string(rc.port), err), co);
+      const nlohmann::json rs = get_json(*rp, "/proxy/stats");
+      if (rs.is_object() && rs.contains("router")) {
+        const double routed = rs["router"].value("routed", 0.0);
+        rf.unmatched = routed > 0 ? rs["router"].value("unmatched", 0.0) / routed : 0;
+      }
+      kill(rc.pid, SIGTERM);
+      int rst;
+      waitpid(rc.pid, &rst, 0);
+      ref = rf;
+    }
     nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
                           {"proxy_threads", o.proxy_threads}, {"errors", prox.errors}, {"baseline", "direct to stubs"}};
+    if (ref) {
+      nlohmann::json rc = cfg;
+      rc["baseline"] = "the reference proxy (Python), same run";
+      rc["reference_errors"] = ref->run.errors;
+      const double ours_ms = cpu * 1000.0 / static_cast<double>(trace.size());
+      const double ref_ms = ref->cpu * 1000.0 / static_cast<double>(trace.size());
+      rep.emit({"proxy", "cpu_ms_per_request_vs_reference", ours_ms, "ms", ref_ms, rc});
+      rep.emit({"proxy", "added_latency_p99_ms_vs_reference", prox.p99_ms, "ms", ref->run.p99_ms, rc});
+      rep.emit({"proxy", "requests_per_s_vs_reference", prox.req_per_s, "req/s", ref->run.req_per_s, rc});
+      if (stats.is_object()) {
+        const double routed = stats["router"].value("routed", 0.0);
+        rep.emit({"proxy", "unmatched_fraction_vs_reference", routed > 0 ? stats["router"].value("unmatched", 0.0) / routed : 0,
+                  "fraction", ref->unmatched, rc});
+      }
+    }
     rep.emit({"proxy", "requests_per_s", prox.req_per_s, "req/s", base.req_per_s, cfg});
     rep.emit({"proxy", "added_latency_p50_ms", prox.p50_ms, "ms", base.p50_ms, cfg});
     rep.emit({"proxy", "added_latency_p99_ms", prox.p99_ms, "ms", base.p99_ms, cfg});
@@ -249,6 +350,9 @@ void register_bench_proxy(CLI::App& bench, Registry& reg) {
   sub->add_option("--stub-latency", o->stub_latency, "stub service time, s")->capture_default_str();
   sub->add_option("--proxy-threads", o->proxy_threads)->capture_default_str();
   sub->add_option("--client-threads", o->client_threads)->capture_default_str();
+  sub->add_option("--reference", o->reference,
+                  "the HF Python proxy's lora_proxy.py (fetched into a temp dir; run with python3-aiohttp) as a same-run baseline");
+  sub->add_option("--python", o->python, "the interpreter for --reference")->capture_default_str();
   reg.add(sub, [o] { return run(*o); });
 }
 

@@ -11,8 +11,12 @@ void configure_process() {
   static bool done = false;
   if (done) return;
   done = true;
-  // 1 GiB: buffers below this come from the heap and stay mapped after free.
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  // Buffers up to 32 MiB come from the heap and stay mapped after free, so a repeated large
+  // allocation (a tensor, an HTTP body) does not page-fault its memory in again every time. 32 MiB
+  // is the most glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit: a larger value is refused, and setting
+  // any of these options also turns off glibc's own adaptive threshold, which would leave every
+  // allocation above 128 KiB a fresh mmap).
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
   rlimit rl{};
