@@ -528,8 +528,13 @@ TEST(ProxyConformance, ARestartedProxyRebuildsItsRegistryFromTheReplicas) {
   EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({9}, "policy-v3")).status, 200);
   EXPECT_TRUE(eventually([&] { return f.stubs[0]->loaded() == std::vector<std::string>{"policy-v3"}; }))
       << json(f.stubs[0]->loaded()).dump();
+  // (The re-sync returns replica 0 to service after its last pass: an unload sent before that
+  // skips it and the re-sync converges it again, so wait for service to test the unload itself.)
+  ASSERT_TRUE(eventually([&] {
+    return json::parse(call(f.port(), "GET", "/proxy/stats").body)["upstreams"][0]["state"] == "in_service";
+  }));
   ASSERT_EQ(call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"policy-v3"})").status, 200);
-  EXPECT_TRUE(f.stubs[0]->loaded().empty());
+  EXPECT_TRUE(eventually([&] { return f.stubs[0]->loaded().empty(); })) << json(f.stubs[0]->loaded()).dump();
   EXPECT_TRUE(f.stubs[1]->loaded().empty());
 }
 
