@@ -82,6 +82,21 @@ void Proxy::Impl::note_success(int r) { replicas[static_cast<std::size_t>(r)]->c
 
 // ---- adapter load -----------------------------------------------------------------------------
 
+http::Task<std::optional<http::Pool::Full>> Proxy::Impl::control_attempt(int r, TargetResult& t, const http::OutRequest& out,
+                                                                        double timeout_s) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
+  rep.inflight_all.fetch_add(1);
+  auto f = co_await rep.pool->fetch(out, call_options(timeout_s, nullptr, true), 64 * 1024);
+  rep.inflight_all.fetch_sub(1);
+  if (f.error != http::CallError::kNone) {
+    t.outcome = http::is_timeout(f.error) ? "timeout" : "transport_error";
+    t.body = redact(f.message).substr(0, 300);
+    note_failure(r, http::call_error_name(f.error), true);
+    co_return std::nullopt;
+  }
+  co_return std::optional<http::Pool::Full>(std::move(f));
+}
+
 http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, const std::string& rid) {
   const auto t0 = Clock::now();
   std::string name;
@@ -104,21 +119,15 @@ http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, co
   const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.adapter_load_deadline));
   co_await for_all(targets, [&](int r) -> http::Task<void> {
     TargetResult& t = res[static_cast<std::size_t>(r)];
-    Replica& rep = *replicas[static_cast<std::size_t>(r)];
     const auto ts = Clock::now();
     for (;;) {
       double left = std::chrono::duration<double>(deadline - Clock::now()).count();
       double attempt_to = std::max(0.001, std::min(cfg.adapter_attempt_timeout, left));
       ++t.attempts;
-      rep.inflight_all.fetch_add(1);
-      auto f = co_await rep.pool->fetch({req.method, req.target, &hdrs, req.body}, call_options(attempt_to, nullptr, true), 64 * 1024);
-      rep.inflight_all.fetch_sub(1);
-      if (f.error != http::CallError::kNone) {
-        t.outcome = http::is_timeout(f.error) ? "timeout" : "transport_error";
-        t.body = redact(f.message).substr(0, 300);
-        note_failure(r, http::call_error_name(f.error), true);
-        break;
-      }
+      const http::OutRequest out{req.method, req.target, &hdrs, req.body};
+      auto got = co_await control_attempt(r, t, out, attempt_to);
+      if (!got) break;
+      const http::Pool::Full& f = *got;
       t.status = f.status;
       if (f.status == 200) {
         t.outcome = "ok";

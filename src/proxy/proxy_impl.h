@@ -133,6 +133,11 @@ class Proxy::Impl {
   // or ejects it. Never holds fleet_lock across a call to the replica.
   http::Task<bool> resync(int r);
   http::Task<bool> resync_pass(int r);
+  // One control call to replica r (a load, a prepare), counted in flight. On a transport failure
+  // it sets t.outcome ("timeout" | "transport_error") and t.body, counts the failure, and returns
+  // nullopt; otherwise the answer (t untouched).
+  http::Task<std::optional<http::Pool::Full>> control_attempt(int r, TargetResult& t, const http::OutRequest& out,
+                                                              double timeout_s);
   void note_failure(int r, const std::string& kind, bool routed_or_probe);
   void note_success(int r);
   void eject(int r, const std::string& reason);

@@ -59,19 +59,13 @@ http::Task<http::Response> Proxy::Impl::handle_push(http::Request& req, const st
   // Phase 1: prepare everywhere.
   co_await for_all(targets, [&](int r) -> http::Task<void> {
     TargetResult& t = res[static_cast<std::size_t>(r)];
-    Replica& rep = *replicas[static_cast<std::size_t>(r)];
     const auto ts = Clock::now();
     ++t.attempts;
-    rep.inflight_all.fetch_add(1);
-    auto f = co_await rep.pool->fetch({"POST", io::kPreparePath, &hdrs, *bundle}, call_options(attempt_to, nullptr, true), 64 * 1024);
-    rep.inflight_all.fetch_sub(1);
+    const http::OutRequest out{"POST", io::kPreparePath, &hdrs, *bundle};
+    auto got = co_await control_attempt(r, t, out, attempt_to);
     t.ms = ms_since(ts);
-    if (f.error != http::CallError::kNone) {
-      t.outcome = http::is_timeout(f.error) ? "timeout" : "transport_error";
-      t.body = redact(f.message).substr(0, 300);
-      note_failure(r, http::call_error_name(f.error), true);
-      co_return;
-    }
+    if (!got) co_return;
+    const http::Pool::Full& f = *got;
     t.status = f.status;
     if (f.status == 200) {
       t.outcome = "ok";
