@@ -208,12 +208,8 @@ int run(const BenchSyncOptions& o) {
         const double t1 = now_seconds();
         http::Pool::Full res;
         if (tr == "push") {
-          auto files = p.files;
-          const std::string manifest = files.at("manifest.json");
-          files.erase("manifest.json");
-          res = client.request("POST", std::string(io::kPushPath),
-                               io::make_adapter_bundle(p.name, (view / p.name).string(), manifest, files), 600, false,
-                               "application/octet-stream");
+          res = client.request("POST", std::string(io::kPushPath), rl::push_bundle(p, (view / p.name).string()), 600,
+                               false, "application/octet-stream");
         } else {
           res = client.request("POST", "/v1/load_lora_adapter",
                                json{{"lora_name", p.name}, {"lora_path", (view / p.name).string()}}.dump(), 600);

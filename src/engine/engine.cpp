@@ -143,6 +143,22 @@ void Engine::abort(const std::string& request_id) {
   });
 }
 
+int Engine::Impl::find_staged(const std::string& name) const {
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    if (slots[i].staged && slots[i].adapter->name == name) return static_cast<int>(i);
+  return -1;
+}
+
+int Engine::Impl::free_slot(double now) const {
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    if (!slots[i].adapter) return static_cast<int>(i);
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    if (slots[i].draining && slots[i].inflight == 0) return static_cast<int>(i);
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    if (slots[i].staged && slots[i].staged_until < now) return static_cast<int>(i);
+  return -1;
+}
+
 std::future<LoadOutcome> Engine::install_adapter(LoadedAdapter adapter) { return place_adapter(std::move(adapter), false, 0); }
 
 std::future<LoadOutcome> Engine::stage_adapter(LoadedAdapter adapter, double ttl_s) {

@@ -175,22 +175,10 @@ struct Engine::Impl {
         return static_cast<int>(i);
     return -1;
   }
-  int find_staged(const std::string& name) const {
-    for (std::size_t i = 0; i < slots.size(); ++i)
-      if (slots[i].staged && slots[i].adapter->name == name) return static_cast<int>(i);
-    return -1;
-  }
+  int find_staged(const std::string& name) const;  // engine.cpp
   // A slot for a new adapter: an empty one, else a drained one, else a staged one whose commit
   // never came (past staged_until). -1 when none.
-  int free_slot(double now) const {
-    for (std::size_t i = 0; i < slots.size(); ++i)
-      if (!slots[i].adapter) return static_cast<int>(i);
-    for (std::size_t i = 0; i < slots.size(); ++i)
-      if (slots[i].draining && slots[i].inflight == 0) return static_cast<int>(i);
-    for (std::size_t i = 0; i < slots.size(); ++i)
-      if (slots[i].staged && slots[i].staged_until < now) return static_cast<int>(i);
-    return -1;
-  }
+  int free_slot(double now) const;  // engine.cpp
 
   // ---- blocks ----------------------------------------------------------------------------
   bool ensure_blocks(Sequence* s, std::int64_t upto) {

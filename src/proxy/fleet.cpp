@@ -82,6 +82,15 @@ void Proxy::Impl::note_success(int r) { replicas[static_cast<std::size_t>(r)]->c
 
 // ---- adapter load -----------------------------------------------------------------------------
 
+std::vector<int> Proxy::Impl::fleet_targets(std::vector<TargetResult>& res) const {
+  std::vector<int> targets;
+  for (std::size_t r = 0; r < res.size(); ++r) {
+    res[r].index = static_cast<int>(r);
+    if (cfg.strict_broadcast || replicas[r]->get() == ReplicaState::kInService) targets.push_back(static_cast<int>(r));
+  }
+  return targets;
+}
+
 http::Task<std::optional<http::Pool::Full>> Proxy::Impl::control_attempt(int r, TargetResult& t, const http::OutRequest& out,
                                                                         double timeout_s) {
   Replica& rep = *replicas[static_cast<std::size_t>(r)];
@@ -108,11 +117,7 @@ http::Task<http::Response> Proxy::Impl::handle_load(const http::Request& req, co
 
   const int N = static_cast<int>(replicas.size());
   std::vector<TargetResult> res(static_cast<std::size_t>(N));
-  std::vector<int> targets;
-  for (int r = 0; r < N; ++r) {
-    res[static_cast<std::size_t>(r)].index = r;
-    if (cfg.strict_broadcast || replicas[static_cast<std::size_t>(r)]->get() == ReplicaState::kInService) targets.push_back(r);
-  }
+  const std::vector<int> targets = fleet_targets(res);
   if (targets.empty()) co_return http::error_response(503, "proxy: no replica in service to load " + name, "", "proxy_error");
 
   const http::Headers hdrs = upstream_headers(req, rid);
@@ -268,11 +273,7 @@ http::Task<http::Response> Proxy::Impl::handle_broadcast(const http::Request& re
   }
   const int N = static_cast<int>(replicas.size());
   std::vector<TargetResult> res(static_cast<std::size_t>(N));
-  std::vector<int> targets;
-  for (int r = 0; r < N; ++r) {
-    res[static_cast<std::size_t>(r)].index = r;
-    if (cfg.strict_broadcast || replicas[static_cast<std::size_t>(r)]->get() == ReplicaState::kInService) targets.push_back(r);
-  }
+  const std::vector<int> targets = fleet_targets(res);
   const http::Headers hdrs = upstream_headers(req, rid);
   co_await for_all(targets, [&](int r) -> http::Task<void> {
     TargetResult& t = res[static_cast<std::size_t>(r)];

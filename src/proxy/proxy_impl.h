@@ -136,6 +136,9 @@ class Proxy::Impl {
   // One control call to replica r (a load, a prepare), counted in flight. On a transport failure
   // it sets t.outcome ("timeout" | "transport_error") and t.body, counts the failure, and returns
   // nullopt; otherwise the answer (t untouched).
+  // The replicas a fleet operation targets (every one with strict_broadcast, else those in
+  // service); numbers res[r].index.
+  std::vector<int> fleet_targets(std::vector<TargetResult>& res) const;
   http::Task<std::optional<http::Pool::Full>> control_attempt(int r, TargetResult& t, const http::OutRequest& out,
                                                               double timeout_s);
   void note_failure(int r, const std::string& kind, bool routed_or_probe);

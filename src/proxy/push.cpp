@@ -45,11 +45,7 @@ http::Task<http::Response> Proxy::Impl::handle_push(http::Request& req, const st
 
   const int N = static_cast<int>(replicas.size());
   std::vector<TargetResult> res(static_cast<std::size_t>(N));
-  std::vector<int> targets;
-  for (int r = 0; r < N; ++r) {
-    res[static_cast<std::size_t>(r)].index = r;
-    if (cfg.strict_broadcast || replicas[static_cast<std::size_t>(r)]->get() == ReplicaState::kInService) targets.push_back(r);
-  }
+  const std::vector<int> targets = fleet_targets(res);
   if (targets.empty()) co_return http::error_response(503, "proxy: no replica in service to push " + name, "", "proxy_error");
 
   http::Headers hdrs = upstream_headers(req, rid);

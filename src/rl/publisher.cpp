@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "core/io/adapter_manifest.h"
 #include "engine/adapter_store.h"
 #include "util/error.h"
 #include "util/files.h"
@@ -54,6 +55,13 @@ Published AdapterPublisher::publish(const model::LoraAdapter& adapter, std::int6
     throw;
   }
   return p;
+}
+
+std::string push_bundle(const Published& p, const std::string& lora_path) {
+  std::map<std::string, std::string> files = p.files;
+  const auto manifest = files.extract("manifest.json");
+  if (manifest.empty()) throw_invalid("adapter version {} was published without keep_files: nothing to push", p.name);
+  return io::make_adapter_bundle(p.name, lora_path, manifest.mapped(), files);
 }
 
 std::vector<std::int64_t> AdapterPublisher::existing_versions() const {

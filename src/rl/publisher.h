@@ -28,6 +28,10 @@ struct Published {
   std::map<std::string, std::string> files;
 };
 
+// The push body (io::make_adapter_bundle) of a version published with keep_files; lora_path is
+// its directory as the servers see it.
+std::string push_bundle(const Published& p, const std::string& lora_path);
+
 class AdapterPublisher {
  public:
   AdapterPublisher(std::filesystem::path adapters_dir, std::string prefix, std::string base_name,

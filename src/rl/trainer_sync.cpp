@@ -40,10 +40,7 @@ void Trainer::load_adapter(const std::string& name, const fs::path& dir) {
 
 void Trainer::push_adapter(const Published& p) {
   const fs::path server_dir = cfg_.sync.server_publish_dir.empty() ? p.dir : fs::path(cfg_.sync.server_publish_dir) / p.name;
-  std::map<std::string, std::string> files = p.files;
-  const std::string manifest = files.at("manifest.json");
-  files.erase("manifest.json");
-  const std::string body = io::make_adapter_bundle(p.name, server_dir.string(), manifest, files);
+  const std::string body = push_bundle(p, server_dir.string());
   const double deadline = now_s() + cfg_.sync.adapter_load_deadline;
   auto& c = sync_client_ ? *sync_client_ : *client_;
   if (cfg_.sync.pause_during_load) c.request("POST", "/pause?mode=keep", "{}", 60, true);

@@ -487,8 +487,10 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       need("POST");
       const bool prepare = path == io::kPreparePath;
       auto body = std::make_shared<std::string>(std::move(req.body));
-      std::function<engine::LoadOutcome()> job = [this, body, prepare] {
+      auto pushed_name = std::make_shared<std::string>();  // set by the job, read after it
+      std::function<engine::LoadOutcome()> job = [this, body, pushed_name, prepare] {
         const io::AdapterBundle b = io::parse_adapter_bundle(*body);
+        *pushed_name = b.lora_name;
         engine::AdapterLoadPolicy policy;
         policy.max_rank = opt.max_lora_rank;
         policy.base_sha256 = base_sha256;
@@ -497,7 +499,7 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       };
       auto pending = start_offload<engine::LoadOutcome>(*blocking, co_await net::this_coro::executor, std::move(job));
       engine::LoadOutcome out = co_await finish_offload(pending);
-      const std::string name = io::parse_adapter_bundle(*body, false).lora_name;
+      const std::string& name = *pushed_name;
       LS_LOG_INFO("server", "adapter {} {} by push (sha256 {})", name,
                   prepare ? (out.created ? "prepared" : "already prepared or loaded") : (out.created ? "loaded" : "already loaded"),
                   out.sha256.substr(0, 12));
