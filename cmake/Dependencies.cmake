@@ -91,4 +91,10 @@ separate_arguments(LORASYNC_TORCH_CXX_FLAGS UNIX_COMMAND "${TORCH_CXX_FLAGS}")
 add_library(lorasync_torch INTERFACE)
 target_link_libraries(lorasync_torch INTERFACE ${TORCH_LIBRARIES})
 target_compile_options(lorasync_torch INTERFACE ${LORASYNC_TORCH_CXX_FLAGS})
+# at::parallel_for is a header template: with the wheel's OpenMP backend it runs in parallel only
+# in code compiled with -fopenmp, bound to the libgomp that libtorch itself loads (torch/lib). Our
+# kernels' one parallel_for (core/model/cpu_kernels.cpp) is compiled so; without that libgomp (a
+# libtorch with native threads), at::parallel_for is parallel as it is.
+get_filename_component(_torch_lib_dir "${Torch_DIR}/../../../lib" ABSOLUTE)
+find_file(LORASYNC_TORCH_LIBGOMP libgomp.so.1 PATHS "${_torch_lib_dir}" NO_DEFAULT_PATH)
 message(STATUS "libtorch ${Torch_VERSION}: ${Torch_DIR}")

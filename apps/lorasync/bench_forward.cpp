@@ -3,18 +3,27 @@
 //  - prefill: `prefill_batch` prompts of `prompt_tokens` tokens in one flat batch, LM head on the
 //    last token of each (as a server does);
 //  - decode: batch b sequences with `context` cached tokens, `decode_steps` steps of one token each
-//    through the batched decode path.
+//    through the batched decode path, LM head included; on CPU our decode kernels against the
+//    libtorch path of the same maths (model::set_cpu_fast_paths) in the same run;
+//  - sample: one sampler call over [b, vocab] logits (temperature 1, the logprob of the drawn
+//    token), ours against the libtorch expression.
+// bench/llamacpp_compare.py runs this next to llama.cpp on a GGUF conversion of the same weights.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
+#include <random>
 
 #include "commands.h"
 #include "core/model/perf.h"
 #include "core/model/qwen2_model.h"
 #include "core/model/runtime.h"
+#include "engine/sampler.h"
 #include "util/bench_report.h"
+#include "util/error.h"
 #include "util/log.h"
 #include "util/strings.h"
 
@@ -33,6 +42,7 @@ struct BenchForwardOptions {
   std::string device = "cpu";
   int threads = 0;
   int repeats = 3;
+  std::string paths = "fast,reference";
 };
 
 double seconds_of(const std::function<void()>& f, c10::Device device, int repeats) {
@@ -89,7 +99,9 @@ int run(const BenchForwardOptions& o) {
 
     // Decode at several batch sizes.
     for (auto b : parse_int_list(o.decode_batches, "--decode-batches")) {
-      const std::int64_t cap = o.context + o.decode_steps * (o.repeats + 2) + 1;
+      // Each path runs 1 + repeats timings of decode_steps tokens on the same cache (the second
+      // path therefore sees a context longer by (1 + repeats) * decode_steps tokens).
+      const std::int64_t cap = o.context + o.decode_steps * 2 * (o.repeats + 1) + 1;
       model::ContiguousKvCache cache(cfg, b, cap, dtype, device);
       std::vector<std::vector<std::int64_t>> ctx(static_cast<std::size_t>(b));
       std::vector<std::int64_t> ids;
@@ -120,14 +132,50 @@ int run(const BenchForwardOptions& o) {
           for (auto& p : pos) ++p;
         }
       };
-      double ds = seconds_of(step_all, device, o.repeats);
       const double toks = static_cast<double>(b * o.decode_steps);
       double dflops = model::forward_flops(cfg, toks, static_cast<double>(o.context), toks);
       auto dc = cfg_json;
       dc["batch"] = b;
       dc["context"] = o.context;
-      rep.emit({"forward", "decode_tokens_per_s", toks / ds, "tokens/s", std::nullopt, dc});
-      rep.emit({"forward", "decode_gflops", dflops / ds / 1e9, "GFLOP/s", peak, dc});
+      // The reference path first (when asked), then ours with it as the baseline.
+      std::optional<double> ref_tps, ref_sample;
+      at::Tensor logits = at::randn({b, cfg.vocab_size}, at::TensorOptions().dtype(at::kFloat)) * 3.0;
+      engine::SamplingParams sp;
+      sp.temperature = 1.0;
+      std::vector<std::mt19937_64> rngs(static_cast<std::size_t>(b));
+      std::vector<engine::SampleRow> srows;
+      for (auto& g : rngs) srows.push_back({&sp, &g, nullptr});
+      auto sample_once = [&] { (void)engine::sample_batch(logits, srows); };
+      std::vector<std::string> paths;
+      for (const auto& p : split(o.paths, ',')) {
+        const std::string path(trim(p));
+        if (path != "fast" && path != "reference") throw_invalid("--paths: unknown path '{}' (fast, reference)", path);
+        paths.push_back(path);
+      }
+      std::stable_sort(paths.begin(), paths.end(), [](const auto& a, const auto& b) { return a == "reference" && b != "reference"; });
+      for (const auto& path : paths) {
+        const bool fast = path == "fast";
+        const bool prev = model::set_cpu_fast_paths(fast);
+        double ds = seconds_of(step_all, device, o.repeats);
+        double ss = device.is_cpu() ? seconds_of(sample_once, device, o.repeats) : 0.0;
+        model::set_cpu_fast_paths(prev);
+        auto pc = dc;
+        pc["path"] = path;
+        const double tps = toks / ds;
+        if (!fast) {
+          ref_tps = tps;
+          ref_sample = 1.0 / ss;
+          rep.emit({"forward", "decode_tokens_per_s_reference", tps, "tokens/s", std::nullopt, pc});
+          continue;
+        }
+        rep.emit({"forward", "decode_tokens_per_s", tps, "tokens/s", ref_tps, pc});
+        rep.emit({"forward", "decode_gflops", dflops / ds / 1e9, "GFLOP/s", peak, pc});
+        const double weight_bytes = static_cast<double>(cfg.n_params()) * static_cast<double>(at::elementSize(dtype));
+        rep.emit({"forward", "decode_weight_stream_gb_per_s", weight_bytes * static_cast<double>(o.decode_steps) / ds / 1e9,
+                  "GB/s", std::nullopt, pc});
+        if (device.is_cpu())
+          rep.emit({"forward", "sample_calls_per_s", 1.0 / ss, "calls/s", ref_sample, pc});
+      }
     }
   }
   rep.print_table();
@@ -149,6 +197,8 @@ void register_bench_forward(CLI::App& bench, Registry& reg) {
   sub->add_option("--device", o->device, "cpu|cuda[:N]")->capture_default_str();
   sub->add_option("--threads", o->threads, "0 = all cores")->capture_default_str();
   sub->add_option("--repeats", o->repeats, "timed repetitions (best is kept)")->capture_default_str();
+  sub->add_option("--paths", o->paths, "decode paths to time: fast (our CPU kernels), reference (libtorch)")
+      ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });
 }
 

@@ -7,14 +7,12 @@
 #include <limits>
 #include <unordered_set>
 
+#include "core/model/cpu_kernels.h"
+#include "core/model/qwen2_model.h"
+
 namespace lorasync::engine {
 
 namespace {
-
-bool plain(const SamplingParams& p) {
-  return p.temperature > 0 && (p.top_k <= 0) && p.top_p >= 1.0 && p.min_p <= 0 &&
-         p.repetition_penalty == 1.0;
-}
 
 at::Tensor apply_penalty(at::Tensor row, const SampleRow& r) {
   const double pen = r.params->repetition_penalty;
@@ -104,51 +102,96 @@ void add_top(TokenOut& t, const at::Tensor& logp_row, int k) {
     t.top.emplace_back(static_cast<std::int32_t>(ix[i].item<std::int64_t>()), v[i].item<float>());
 }
 
+// The k largest of x (ties: the lower id first), best first, without sorting the row.
+std::vector<std::pair<std::int32_t, float>> top_of(const float* x, std::int64_t V, int k) {
+  const auto kk = static_cast<std::size_t>(std::min<std::int64_t>(k, V));
+  auto worse = [](const std::pair<std::int32_t, float>& a, const std::pair<std::int32_t, float>& b) {
+    return a.second > b.second || (a.second == b.second && a.first < b.first);
+  };
+  std::vector<std::pair<std::int32_t, float>> heap;  // min-heap under `worse`: front = worst kept
+  heap.reserve(kk + 1);
+  for (std::int64_t i = 0; i < V; ++i) {
+    std::pair<std::int32_t, float> c{static_cast<std::int32_t>(i), x[i]};
+    if (heap.size() < kk) {
+      heap.push_back(c);
+      std::push_heap(heap.begin(), heap.end(), worse);
+    } else if (worse(c, heap.front())) {
+      std::pop_heap(heap.begin(), heap.end(), worse);
+      heap.back() = c;
+      std::push_heap(heap.begin(), heap.end(), worse);
+    }
+  }
+  std::sort(heap.begin(), heap.end(), worse);
+  return heap;
+}
+
+// Plain temperature sampling and greedy decoding of one row straight from the logits: the
+// softmax statistics in two vectorised passes (max; exp with block sums), no log-softmax tensor.
+// The drawn token's logprob is z - max - log(sum exp(z - max)) for z = x / T (T = 1 for greedy).
+void sample_fast(const float* x, std::int64_t V, const SampleRow& r, TokenOut& t,
+                 std::vector<float>& e, std::vector<double>& sums) {
+  const SamplingParams& p = *r.params;
+  const bool greedy = p.temperature <= 0;
+  const float temp = greedy ? 1.0f : static_cast<float>(p.temperature);
+  const float mx = model::cpu::row_max(x, V, temp);
+  sums.resize(static_cast<std::size_t>((V + kBlock - 1) / kBlock));
+  if (greedy) {
+    std::int64_t best = 0;
+    for (std::int64_t i = 1; i < V; ++i)
+      if (x[i] > x[best]) best = i;
+    t.id = static_cast<std::int32_t>(best);
+  } else {
+    e.resize(static_cast<std::size_t>(V));
+  }
+  const double total =
+      model::cpu::row_exp_blocks(x, V, temp, mx, greedy ? nullptr : e.data(), sums.data(), kBlock);
+  const double log_total = std::log(total);
+  if (!greedy) t.id = draw(e.data(), sums.data(), V, *r.rng);
+  auto logp = [&](std::int64_t i) {
+    return static_cast<float>(static_cast<double>(x[i] / temp) - mx - log_total);
+  };
+  t.logprob = logp(t.id);
+  if (p.logprobs && *p.logprobs > 0)
+    for (const auto& [id, v] : top_of(x, V, *p.logprobs)) t.top.emplace_back(id, logp(id));
+}
+
 }  // namespace
 
 std::vector<TokenOut> sample_batch(const at::Tensor& logits_in, const std::vector<SampleRow>& rows) {
   auto logits = logits_in.to(at::kCPU).to(at::kFloat).contiguous();
   const auto B = logits.size(0), V = logits.size(1);
   std::vector<TokenOut> out(static_cast<std::size_t>(B));
-  // Fast path: plain temperature sampling for many rows at once (row-wise, batch-independent).
-  std::vector<std::int64_t> plain_rows;
-  for (std::int64_t i = 0; i < B; ++i)
-    if (plain(*rows[static_cast<std::size_t>(i)].params)) plain_rows.push_back(i);
-  at::Tensor plain_logp, plain_probs, plain_sums;
-  if (!plain_rows.empty()) {
-    std::vector<double> temps;
-    for (auto i : plain_rows) temps.push_back(rows[static_cast<std::size_t>(i)].params->temperature);
-    auto idx = at::tensor(plain_rows, at::TensorOptions().dtype(at::kLong));
-    auto t = at::tensor(temps, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat).unsqueeze(1);
-    plain_logp = at::log_softmax(logits.index_select(0, idx) / t, 1).contiguous();
-    plain_probs = plain_logp.exp().contiguous();
-    plain_sums = block_sums(plain_probs);
-  }
-  std::size_t pi = 0;
-  for (std::int64_t i = 0; i < B; ++i) {
-    const SampleRow& r = rows[static_cast<std::size_t>(i)];
-    const SamplingParams& p = *r.params;
-    TokenOut& t = out[static_cast<std::size_t>(i)];
-    at::Tensor logp;
-    if (pi < plain_rows.size() && plain_rows[pi] == i) {
-      const auto k = static_cast<std::int64_t>(pi++);
-      logp = plain_logp[k];
-      t.id = draw(plain_probs[k].data_ptr<float>(), plain_sums[k].data_ptr<double>(), V, *r.rng);
-    } else {
-      auto row = apply_penalty(logits[i], r);
+  const bool fast = model::cpu_fast_paths();
+  // Rows are independent (each draws from its own generator), so they run on the intra-op
+  // threads and a row's result does not depend on the batch or the thread count.
+  model::cpu::parallel_for(B, [&](std::int64_t b0, std::int64_t b1) {
+    std::vector<float> e;
+    std::vector<double> sums;
+    for (std::int64_t i = b0; i < b1; ++i) {
+      const SampleRow& r = rows[static_cast<std::size_t>(i)];
+      const SamplingParams& p = *r.params;
+      TokenOut& t = out[static_cast<std::size_t>(i)];
+      auto row = apply_penalty(logits[i], r).contiguous();
+      const bool truncated = p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0;
+      if (fast && (p.temperature <= 0 || !truncated)) {
+        sample_fast(row.data_ptr<float>(), V, r, t, e, sums);
+        continue;
+      }
+      // The libtorch expression (truncation; every row with the fast paths off).
+      at::Tensor logp;
       if (p.temperature <= 0) {
         logp = at::log_softmax(row, 0).contiguous();
         t.id = static_cast<std::int32_t>(row.argmax().item<std::int64_t>());
       } else {
         logp = processed_logprobs(row, p).contiguous();
         auto probs = logp.exp().unsqueeze(0).contiguous();
-        auto sums = block_sums(probs);
-        t.id = draw(probs.data_ptr<float>(), sums.data_ptr<double>(), V, *r.rng);
+        auto bs = block_sums(probs);
+        t.id = draw(probs.data_ptr<float>(), bs.data_ptr<double>(), V, *r.rng);
       }
+      t.logprob = logp.data_ptr<float>()[t.id];
+      if (p.logprobs && *p.logprobs > 0) add_top(t, logp, *p.logprobs);
     }
-    t.logprob = logp.data_ptr<float>()[t.id];
-    if (p.logprobs && *p.logprobs > 0) add_top(t, logp, *p.logprobs);
-  }
+  });
   return out;
 }
 

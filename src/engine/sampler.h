@@ -6,6 +6,10 @@
 // request gets the same tokens whatever else shares its batch. The reported logprob of the
 // sampled token is the processed one: log_softmax(logits / T) when no truncation is active, what
 // the trainer recomputes. Greedy reports log_softmax(logits) (T = 1).
+// Greedy and untruncated rows are computed straight from the logits with our vectorised kernels
+// (two passes over the row, no log-softmax tensor, a heap for top logprobs); truncated rows, and
+// every row when model::set_cpu_fast_paths(false), use the libtorch expression. Rows run on the
+// intra-op threads.
 // Thread-safety: stateless functions; generators belong to their sequences.
 #pragma once
 

@@ -175,6 +175,11 @@ std::unique_ptr<Qwen2Model> Qwen2Model::from_named(const Qwen2Config& cfg, const
                     shape_str(t.sizes()), shape_str(shape));
     ++used;
     // Always a private copy in the compute dtype: weights never alias a file mapping.
+    if (device.is_cpu()) {
+      auto w = empty_cpu_huge_pages(t.sizes(), dtype);
+      w.copy_(t);
+      return w;
+    }
     return t.to(at::TensorOptions().dtype(dtype).device(device), /*non_blocking=*/false,
                 /*copy=*/true);
   };
@@ -287,6 +292,7 @@ at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool
                                const AttnMeta* meta) const {
   LS_CHECK((kv == nullptr) == (meta == nullptr), "kv and meta go together");
   if (lora != nullptr && lora->empty()) lora = nullptr;
+  if (cpu_decode_applies(batch, kv, meta)) return forward_cpu_decode(batch, lora, *kv, *meta);
   auto [cos, sin] = rope_cos_sin(batch.positions, inv_freq_);
   auto h = at::embedding(embed_, batch.tokens);  // [T, d]
   for (std::int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
@@ -306,10 +312,6 @@ at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool
     h = h + down;
   }
   return rms_norm(h, final_norm_, cfg_.rms_norm_eps);
-}
-
-at::Tensor Qwen2Model::logits(const at::Tensor& hidden) const {
-  return at::linear(hidden, lm_head_weight()).to(acc_type(hidden));
 }
 
 at::Tensor& Qwen2Model::module_weight(std::int64_t layer, LoraModule m) {

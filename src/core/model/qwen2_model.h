@@ -97,6 +97,10 @@ class Qwen2Model {
                        const at::Tensor& cos, const at::Tensor& sin, const LoraBatch* lora,
                        KvPool* kv, const AttnMeta* meta) const;
   at::Tensor& module_weight(std::int64_t layer, LoraModule m);
+  // The decode step on our CPU kernels (cpu_decode.cpp): pure decode batches, fp32, no gradient.
+  bool cpu_decode_applies(const Batch& batch, const KvPool* kv, const AttnMeta* meta) const;
+  at::Tensor forward_cpu_decode(const Batch& batch, const LoraBatch* lora, KvPool& kv,
+                                const AttnMeta& meta) const;
 
   Qwen2Config cfg_;
   c10::ScalarType dtype_;
@@ -107,6 +111,20 @@ class Qwen2Model {
   std::vector<Layer> layers_;
   at::Tensor inv_freq_;  // fp32 [head_dim / 2]
 };
+
+// On CPU, fp32 decode steps (every segment one new token, with a KV cache, no gradient) and the LM
+// head of a few rows run our kernels (cpu_kernels.h): the libtorch expression of the same maths
+// pays a dispatcher round trip per small op and streams the weights at a third of the memory
+// bandwidth. Off = the libtorch path everywhere (tests compare the two; bench forward's baseline).
+// Returns the previous setting. Process-wide.
+bool set_cpu_fast_paths(bool on);
+bool cpu_fast_paths();
+
+// An uninitialised CPU tensor whose memory is advised into transparent huge pages (2 MiB) where
+// it is at least that large: the weights, streamed once per decode step, then cost one TLB entry
+// per 2 MiB instead of per 4 KiB (about 1.3x the streaming rate on the development machine).
+// Plain at::empty elsewhere or when the kernel refuses.
+at::Tensor empty_cpu_huge_pages(at::IntArrayRef shape, c10::ScalarType dtype);
 
 // RMSNorm as Hugging Face computes it: our fused kernel on CUDA where the build has it and no
 // gradient is needed (device_kernels.h), else rms_norm_reference.

@@ -1,0 +1,397 @@
+#include "core/model/cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LS_X86 1
+#else
+#define LS_X86 0
+#endif
+
+namespace lorasync::model::cpu {
+
+namespace {
+
+std::atomic<bool> g_force_portable{false};
+
+bool cpu_has_avx2() {
+#if LS_X86
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+bool use_avx2() { return cpu_has_avx2() && !g_force_portable.load(std::memory_order_relaxed); }
+
+// ---- portable kernels -----------------------------------------------------------------------
+// Eight partial sums per dot product (the compiler vectorises them with the baseline ISA).
+
+template <int MR>
+void row_portable(const float* x, std::int64_t ldx, const float* w, std::int64_t K, float* y,
+                  std::int64_t ldy, float bias) {
+  float acc[MR][8] = {};
+  std::int64_t k = 0;
+  for (; k + 8 <= K; k += 8)
+    for (int i = 0; i < MR; ++i)
+      for (int u = 0; u < 8; ++u) acc[i][u] += x[i * ldx + k + u] * w[k + u];
+  for (int i = 0; i < MR; ++i) {
+    float s = 0;
+    for (int u = 0; u < 8; ++u) s += acc[i][u];
+    for (std::int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * w[kk];
+    y[i * ldy] = s + bias;
+  }
+}
+
+float dot_portable(const float* a, const float* b, std::int64_t n) {
+  float acc[8] = {};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; ++u) acc[u] += a[i + u] * b[i + u];
+  float s = 0;
+  for (int u = 0; u < 8; ++u) s += acc[u];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_portable(float a, const float* x, float* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// ---- AVX2 + FMA kernels ---------------------------------------------------------------------
+#if LS_X86
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+
+// One row of w against MR rows of x: MR dot products of length K, two accumulators each (K
+// unrolled by 16), the weight row loaded once for the MR rows. Weight rows are walked in memory
+// order, one sequential stream per thread: interleaving several rows (a tile of NR rows) halves
+// the bandwidth the hardware prefetcher sustains on short rows.
+template <int MR>
+__attribute__((target("avx2,fma"))) void row_avx2(const float* x, std::int64_t ldx, const float* w,
+                                                  std::int64_t K, float* y, std::int64_t ldy, float bias) {
+  __m256 a0[MR], a1[MR];
+  for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+  std::int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    for (int i = 0; i < MR; ++i) {
+      a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), w0, a0[i]);
+      a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8), w1, a1[i]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w0 = _mm256_loadu_ps(w + k);
+    for (int i = 0; i < MR; ++i) a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), w0, a0[i]);
+  }
+  for (int i = 0; i < MR; ++i) {
+    float s = hsum(_mm256_add_ps(a0[i], a1[i]));
+    for (std::int64_t kk = k; kk < K; ++kk) s += x[i * ldx + kk] * w[kk];
+    y[i * ldy] = s + bias;
+  }
+}
+
+// A single row of x: four accumulators (K unrolled by 32) to keep enough loads in flight.
+__attribute__((target("avx2,fma"))) void row1_avx2(const float* x, std::int64_t, const float* w,
+                                                   std::int64_t K, float* y, std::int64_t, float bias) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  std::int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s += x[k] * w[k];
+  *y = s + bias;
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, std::int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  float s = hsum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (the shifted logits): x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial
+// for e^r and 2^n through the exponent bits; 0 below -87 (where fp32 would go subnormal).
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(zero_mask, out);
+}
+
+__attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, std::int64_t n, float t) {
+  const __m256 tv = _mm256_set1_ps(t);
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_div_ps(_mm256_loadu_ps(x + i), tv));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = lanes[0];
+  for (int u = 1; u < 8; ++u) mx = std::max(mx, lanes[u]);
+  for (; i < n; ++i) mx = std::max(mx, x[i] / t);
+  return mx;
+}
+
+__attribute__((target("avx2,fma"))) double row_exp_blocks_avx2(const float* x, std::int64_t n, float t,
+                                                               float shift, float* e, double* sums,
+                                                               std::int64_t block) {
+  const __m256 tv = _mm256_set1_ps(t), sv = _mm256_set1_ps(shift);
+  double total = 0;
+  for (std::int64_t b0 = 0, j = 0; b0 < n; b0 += block, ++j) {
+    const std::int64_t b1 = std::min(n, b0 + block);
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+    std::int64_t i = b0;
+    for (; i + 8 <= b1; i += 8) {
+      const __m256 v = exp_nonpos(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), tv), sv));
+      if (e) _mm256_storeu_ps(e + i, v);
+      acc0 = _mm256_add_pd(acc0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      acc1 = _mm256_add_pd(acc1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(acc0, acc1));
+    double s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < b1; ++i) {
+      const float v = std::exp(x[i] / t - shift);
+      if (e) e[i] = v;
+      s += v;
+    }
+    sums[j] = s;
+    total += s;
+  }
+  return total;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float a, const float* x, float* y, std::int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+#endif
+
+using RowFn = void (*)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, float);
+
+// Rows [n0, n1) of one weight matrix against all M rows of x, weight rows in memory order; rows
+// of x four at a time (the weight row is read from memory once, from L1 for the other groups).
+void rows_range(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx, const LinearOut& p,
+                std::int64_t n0, std::int64_t n1, bool avx) {
+  RowFn r1 = row_portable<1>, r2 = row_portable<2>, r4 = row_portable<4>;
+#if LS_X86
+  if (avx) {
+    r1 = row1_avx2;
+    r2 = row_avx2<2>;
+    r4 = row_avx2<4>;
+  }
+#endif
+  (void)avx;
+  for (std::int64_t n = n0; n < n1; ++n) {
+    const float* w = p.w + n * K;
+    const float b = p.bias ? p.bias[n] : 0.0f;
+    std::int64_t m = 0;
+    for (; m + 4 <= M; m += 4) r4(x + m * ldx, ldx, w, K, p.y + m * p.ldy + n, p.ldy, b);
+    for (; m + 2 <= M; m += 2) r2(x + m * ldx, ldx, w, K, p.y + m * p.ldy + n, p.ldy, b);
+    for (; m < M; ++m) r1(x + m * ldx, ldx, w, K, p.y + m * p.ldy + n, p.ldy, b);
+  }
+}
+
+struct Chunk {
+  std::size_t part;
+  std::int64_t n0, n1;
+};
+
+}  // namespace
+
+bool have_avx2() { return use_avx2(); }
+
+void parallel_for(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& f) {
+  at::parallel_for(0, n, 1, [&](std::int64_t b, std::int64_t e) { f(b, e); });
+}
+
+bool set_force_portable(bool on) { return g_force_portable.exchange(on); }
+
+void linear(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
+            std::span<const LinearOut> parts) {
+  if (M <= 0) return;
+  // Chunks of weight rows small enough to balance the threads, large enough (>= 64 KiB of
+  // weights) that a chunk's start-up cost is noise.
+  const std::int64_t rows_per_chunk = std::max<std::int64_t>(8, ((16384 / std::max<std::int64_t>(K, 1)) + 7) / 8 * 8);
+  std::vector<Chunk> chunks;
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    for (std::int64_t n = 0; n < parts[i].n_out; n += rows_per_chunk)
+      chunks.push_back({i, n, std::min(parts[i].n_out, n + rows_per_chunk)});
+  const bool avx = use_avx2();
+  parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t c = b; c < e; ++c) {
+      const Chunk& ch = chunks[static_cast<std::size_t>(c)];
+      rows_range(x, M, K, ldx, parts[ch.part], ch.n0, ch.n1, avx);
+    }
+  });
+}
+
+void rms_norm(const float* x, const float* w, float eps, std::int64_t M, std::int64_t d, float* out) {
+  for (std::int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * d;
+    double ss = 0;
+    for (std::int64_t i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float var = static_cast<float>(ss / static_cast<double>(d));
+    const float r = 1.0f / std::sqrt(var + eps);
+    float* o = out + m * d;
+    for (std::int64_t i = 0; i < d; ++i) o[i] = w[i] * (xr[i] * r);
+  }
+}
+
+void rope(float* x, std::int64_t M, std::int64_t ld, std::int64_t heads, std::int64_t hd,
+          const std::int64_t* positions, const float* inv_freq) {
+  const std::int64_t half = hd / 2;
+  std::vector<float> c(static_cast<std::size_t>(half)), s(static_cast<std::size_t>(half));
+  for (std::int64_t m = 0; m < M; ++m) {
+    const float p = static_cast<float>(positions[m]);
+    for (std::int64_t i = 0; i < half; ++i) {
+      const float a = p * inv_freq[i];
+      c[static_cast<std::size_t>(i)] = std::cos(a);
+      s[static_cast<std::size_t>(i)] = std::sin(a);
+    }
+    for (std::int64_t h = 0; h < heads; ++h) {
+      float* v = x + m * ld + h * hd;
+      for (std::int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        const float ci = c[static_cast<std::size_t>(i)], si = s[static_cast<std::size_t>(i)];
+        v[i] = x1 * ci - x2 * si;
+        v[i + half] = x2 * ci + x1 * si;
+      }
+    }
+  }
+}
+
+void silu_mul(const float* gate, const float* up, std::int64_t n, float* out) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void decode_attention(const float* q, const float* k_pool, const float* v_pool, std::int64_t nh,
+                      std::int64_t nkv, std::int64_t hd, std::int64_t B,
+                      const std::int64_t* const* slots, const std::int64_t* lens, float* out) {
+  const std::int64_t g = nh / nkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const bool avx = use_avx2();
+  auto dot = avx ?
+#if LS_X86
+                 dot_avx2
+#else
+                 dot_portable
+#endif
+                 : dot_portable;
+  auto axpy = avx ?
+#if LS_X86
+                  axpy_avx2
+#else
+                  axpy_portable
+#endif
+                  : axpy_portable;
+  // One task per (sequence, KV head): the keys and values of that head are read once for the g
+  // query heads that share them.
+  parallel_for(B * nkv, [&](std::int64_t t0, std::int64_t t1) {
+    std::vector<float> scores;
+    for (std::int64_t t = t0; t < t1; ++t) {
+      const std::int64_t b = t / nkv, h = t % nkv, L = lens[b];
+      const std::int64_t* sl = slots[b];
+      scores.assign(static_cast<std::size_t>(g * L), 0.0f);
+      const float* qb = q + (b * nh + h * g) * hd;
+      for (std::int64_t j = 0; j < L; ++j) {
+        const float* kj = k_pool + (sl[j] * nkv + h) * hd;
+        for (std::int64_t i = 0; i < g; ++i)
+          scores[static_cast<std::size_t>(i * L + j)] = dot(qb + i * hd, kj, hd) * scale;
+      }
+      float* ob = out + (b * nh + h * g) * hd;
+      std::fill(ob, ob + g * hd, 0.0f);
+      std::vector<float> inv(static_cast<std::size_t>(g));
+      for (std::int64_t i = 0; i < g; ++i) {
+        float* s = scores.data() + i * L;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (std::int64_t j = 0; j < L; ++j) mx = std::max(mx, s[j]);
+        double sum = 0;
+        for (std::int64_t j = 0; j < L; ++j) {
+          s[j] = std::exp(s[j] - mx);
+          sum += s[j];
+        }
+        inv[static_cast<std::size_t>(i)] = static_cast<float>(1.0 / sum);
+      }
+      for (std::int64_t j = 0; j < L; ++j) {
+        const float* vj = v_pool + (sl[j] * nkv + h) * hd;
+        for (std::int64_t i = 0; i < g; ++i)
+          axpy(scores[static_cast<std::size_t>(i * L + j)] * inv[static_cast<std::size_t>(i)], vj,
+               ob + i * hd, hd);
+      }
+    }
+  });
+}
+
+float row_max(const float* x, std::int64_t n, float t) {
+#if LS_X86
+  if (use_avx2()) return row_max_avx2(x, n, t);
+#endif
+  float mx = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i] / t);
+  return mx;
+}
+
+double row_exp_blocks(const float* x, std::int64_t n, float t, float shift, float* e,
+                      double* block_sums, std::int64_t block) {
+#if LS_X86
+  if (use_avx2()) return row_exp_blocks_avx2(x, n, t, shift, e, block_sums, block);
+#endif
+  double total = 0;
+  for (std::int64_t b0 = 0, j = 0; b0 < n; b0 += block, ++j) {
+    double s = 0;
+    for (std::int64_t i = b0; i < std::min(n, b0 + block); ++i) {
+      const float z = x[i] / t - shift;
+      const float v = z < -87.0f ? 0.0f : std::exp(z);
+      if (e) e[i] = v;
+      s += v;
+    }
+    block_sums[j] = s;
+    total += s;
+  }
+  return total;
+}
+
+}  // namespace lorasync::model::cpu

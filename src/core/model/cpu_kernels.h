@@ -1,0 +1,71 @@
+// core/model/cpu_kernels.h: our fp32 CPU kernels for the decode step (raw pointers, no ATen).
+//
+// Decode runs a few rows (one per sequence) through every weight matrix once per token, so it is
+// bound by streaming the weights from memory and by per-operation overheads, not by GEMM. These
+// kernels read each weight matrix once per call for up to a few dozen rows, fuse the small
+// elementwise steps (RMSNorm, RoPE, SiLU-gate) into single loops, and read the paged KV cache in
+// place (no gathered copy of the context). They vectorise with AVX2+FMA where the CPU has it
+// (checked at run time) and fall back to portable loops elsewhere; the numerics are Hugging Face's
+// (fp32 accumulation, RMSNorm and softmax in fp32), only the summation order differs.
+//
+// Work is split over libtorch's intra-op threads (model::set_compute_threads).
+// Thread-safety: every function is reentrant; outputs must not alias inputs unless stated.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+namespace lorasync::model::cpu {
+
+// True when the AVX2+FMA kernels run on this CPU (else the portable ones do).
+bool have_avx2();
+// Forces the portable kernels (tests compare both); returns the previous setting.
+bool set_force_portable(bool on);
+
+// f(begin, end) over contiguous pieces of [0, n) on libtorch's intra-op threads (its OpenMP
+// runtime): one piece per thread, run inline for n < 2 or inside another parallel region.
+void parallel_for(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& f);
+
+// One output matrix of a shared-input linear: y[m * ldy + n] = x[m] . w[n] (+ bias[n]),
+// w row-major [n_out, K].
+struct LinearOut {
+  const float* w = nullptr;
+  const float* bias = nullptr;  // may be null
+  std::int64_t n_out = 0;
+  float* y = nullptr;
+  std::int64_t ldy = 0;
+};
+
+// y = x w^T (+ bias) for every part, x [M, K] with row stride ldx; the parts (q/k/v, gate/up)
+// share one parallel region and each weight is read once for all M rows.
+void linear(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
+            std::span<const LinearOut> parts);
+
+// out[m] = w * (x[m] * rsqrt(mean(x[m]^2) + eps)), rows of d (out may equal x).
+void rms_norm(const float* x, const float* w, float eps, std::int64_t M, std::int64_t d, float* out);
+
+// In place on x [M, heads, hd] (row stride ld): rotate-half RoPE at positions[m] with
+// inv_freq [hd / 2] (angle computed in fp32 as Hugging Face does).
+void rope(float* x, std::int64_t M, std::int64_t ld, std::int64_t heads, std::int64_t hd,
+          const std::int64_t* positions, const float* inv_freq);
+
+// out[i] = silu(gate[i]) * up[i], n elements (out may equal gate).
+void silu_mul(const float* gate, const float* up, std::int64_t n, float* out);
+
+// One query token per sequence against its cached keys, read in place from the pool.
+//   q [B, nh * hd]; k_pool / v_pool [n_slots, nkv, hd]; sequence b attends to the slots
+//   slots[b][0 .. lens[b]) in order; out [B, nh * hd]. Query head i uses KV head i / (nh / nkv).
+void decode_attention(const float* q, const float* k_pool, const float* v_pool, std::int64_t nh,
+                      std::int64_t nkv, std::int64_t hd, std::int64_t B,
+                      const std::int64_t* const* slots, const std::int64_t* lens, float* out);
+
+// Softmax statistics of one row z = x / t (t > 0), for the sampler:
+//   returns max z, and with it row_exp_blocks gives e[i] = exp(z[i] - shift) (e may be null) and
+//   per-block sums of e in double, block_sums[j] over [j * block, (j + 1) * block); returns their
+//   total. Exponentials are vectorised (relative error ~1e-7), exactly 0 below e^-87.
+float row_max(const float* x, std::int64_t n, float t);
+double row_exp_blocks(const float* x, std::int64_t n, float t, float shift, float* e,
+                      double* block_sums, std::int64_t block);
+
+}  // namespace lorasync::model::cpu

@@ -1,0 +1,214 @@
+// Our CPU decode kernels against the libtorch expressions of the same maths, on both the AVX2
+// and the portable implementation, and the model's fast decode path against its libtorch path.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/model/cpu_kernels.h"
+#include "core/model/device_kernels.h"
+#include "core/model/qwen2_model.h"
+#include "util/error.h"
+
+namespace lorasync::model {
+namespace {
+
+double max_rel_diff(const at::Tensor& got, const at::Tensor& want) {
+  auto g = got.to(at::kDouble), w = want.to(at::kDouble);
+  return ((g - w).abs() / (w.abs() + 1.0)).max().item<double>();
+}
+
+// Runs `body` once with the AVX2 kernels (where the CPU has them) and once with the portable ones.
+template <class F>
+void both_isas(F body) {
+  for (bool portable : {false, true}) {
+    const bool prev = cpu::set_force_portable(portable);
+    SCOPED_TRACE(portable ? "portable kernels" : "AVX2 kernels (if the CPU has them)");
+    body();
+    cpu::set_force_portable(prev);
+  }
+}
+
+TEST(CpuKernels, LinearEqualsAtLinearForEveryRowCountAndTail) {
+  at::manual_seed(1);
+  both_isas([] {
+    for (std::int64_t M : {1, 2, 3, 5, 8, 17, 33})
+      for (std::int64_t K : {8, 13, 64, 100})
+        for (std::int64_t N : {1, 3, 4, 7, 9, 70}) {
+          auto x = at::randn({M, K});
+          auto w = at::randn({N, K});
+          auto b = at::randn({N});
+          auto y = at::full({M, N}, std::nanf(""));
+          cpu::LinearOut part{w.data_ptr<float>(), b.data_ptr<float>(), N, y.data_ptr<float>(), N};
+          cpu::linear(x.data_ptr<float>(), M, K, K, std::span<const cpu::LinearOut>(&part, 1));
+          EXPECT_LE(max_rel_diff(y, at::linear(x, w, b)), 1e-5) << "M=" << M << " K=" << K << " N=" << N;
+        }
+  });
+}
+
+TEST(CpuKernels, PartsSharingOneInputWriteStridedOutputs) {
+  at::manual_seed(2);
+  both_isas([] {
+    const std::int64_t M = 3, K = 40;
+    auto x = at::randn({M, K});
+    auto wq = at::randn({24, K}), wk = at::randn({8, K}), bq = at::randn({24});
+    // Both outputs land in one [M, 32] buffer (row stride 32).
+    auto y = at::zeros({M, 32});
+    cpu::LinearOut parts[] = {{wq.data_ptr<float>(), bq.data_ptr<float>(), 24, y.data_ptr<float>(), 32},
+                              {wk.data_ptr<float>(), nullptr, 8, y.data_ptr<float>() + 24, 32}};
+    cpu::linear(x.data_ptr<float>(), M, K, K, parts);
+    EXPECT_LE(max_rel_diff(y.narrow(1, 0, 24), at::linear(x, wq, bq)), 1e-5);
+    EXPECT_LE(max_rel_diff(y.narrow(1, 24, 8), at::linear(x, wk)), 1e-5);
+  });
+}
+
+TEST(CpuKernels, NormRopeAndSiluEqualTheReferences) {
+  at::manual_seed(3);
+  const std::int64_t M = 4, heads = 3, hd = 16;
+  auto x = at::randn({M, heads * hd}) * 3.0;
+  auto w = at::randn({heads * hd});
+  auto got = at::empty_like(x);
+  cpu::rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), 1e-6f, M, heads * hd, got.data_ptr<float>());
+  EXPECT_LE(max_rel_diff(got, rms_norm_reference(x, w, 1e-6)), 1e-6);
+
+  auto inv = rope_inv_freq(hd, 10000.0, at::kCPU);
+  std::vector<std::int64_t> pos = {0, 7, 300, 4095};
+  auto p = at::tensor(pos, at::TensorOptions().dtype(at::kLong));
+  auto [c, s] = rope_cos_sin(p, inv);
+  auto want = apply_rope(x.view({M, heads, hd}), c, s).reshape({M, heads * hd});
+  auto r = x.clone();
+  cpu::rope(r.data_ptr<float>(), M, heads * hd, heads, hd, pos.data(), inv.data_ptr<float>());
+  EXPECT_LE(max_rel_diff(r, want), 1e-5);
+
+  auto up = at::randn({M, heads * hd});
+  auto act = at::empty_like(x);
+  cpu::silu_mul(x.data_ptr<float>(), up.data_ptr<float>(), x.numel(), act.data_ptr<float>());
+  EXPECT_LE(max_rel_diff(act, at::silu(x) * up), 1e-6);
+}
+
+TEST(CpuKernels, DecodeAttentionReadsScatteredSlotsInPlace) {
+  at::manual_seed(4);
+  both_isas([] {
+    const std::int64_t nh = 6, nkv = 2, hd = 16, n_slots = 64;
+    auto kp = at::randn({n_slots, nkv, hd}), vp = at::randn({n_slots, nkv, hd});
+    std::mt19937 rng(9);
+    std::vector<std::vector<std::int64_t>> slots = {{5}, {}, {}};
+    for (int j = 0; j < 17; ++j) slots[1].push_back(static_cast<std::int64_t>(rng() % n_slots));
+    for (int j = 0; j < 40; ++j) slots[2].push_back(63 - j);
+    const std::int64_t B = 3;
+    auto q = at::randn({B, nh * hd});
+    auto out = at::full({B, nh * hd}, std::nanf(""));
+    std::vector<const std::int64_t*> ptrs;
+    std::vector<std::int64_t> lens;
+    for (auto& s : slots) {
+      ptrs.push_back(s.data());
+      lens.push_back(static_cast<std::int64_t>(s.size()));
+    }
+    cpu::decode_attention(q.data_ptr<float>(), kp.data_ptr<float>(), vp.data_ptr<float>(), nh, nkv, hd, B,
+                          ptrs.data(), lens.data(), out.data_ptr<float>());
+    for (std::int64_t b = 0; b < B; ++b) {
+      auto idx = at::tensor(slots[static_cast<std::size_t>(b)], at::TensorOptions().dtype(at::kLong));
+      auto want = segment_attention_reference(q[b].view({1, nh, hd}), kp.index_select(0, idx),
+                                              vp.index_select(0, idx), lens[static_cast<std::size_t>(b)] - 1);
+      EXPECT_LE(max_rel_diff(out[b].view({1, -1}), want), 1e-5) << "sequence " << b;
+    }
+  });
+}
+
+TEST(CpuKernels, SoftmaxStatisticsMatchLogSoftmax) {
+  at::manual_seed(5);
+  both_isas([] {
+    for (float t : {1.0f, 0.7f}) {
+      auto x = at::randn({3001}) * 12.0;
+      x[17] = -1e30f;  // far below e^-87 after the shift: exactly 0
+      const float mx = cpu::row_max(x.data_ptr<float>(), x.numel(), t);
+      EXPECT_FLOAT_EQ(mx, (x / t).max().item<float>());
+      std::vector<float> e(3001);
+      std::vector<double> sums(4);
+      const double total = cpu::row_exp_blocks(x.data_ptr<float>(), x.numel(), t, mx, e.data(), sums.data(), 1024);
+      EXPECT_EQ(e[17], 0.0f);
+      auto want = at::log_softmax(x / t, 0).to(at::kDouble);
+      double worst = 0;
+      for (std::int64_t i = 0; i < x.numel(); ++i) {
+        if (want[i].item<double>() < -80) continue;
+        const double got = std::log(static_cast<double>(e[static_cast<std::size_t>(i)])) - std::log(total);
+        worst = std::max(worst, std::abs(got - want[i].item<double>()));
+      }
+      EXPECT_LE(worst, 2e-5) << "t=" << t;
+      EXPECT_NEAR(sums[0] + sums[1] + sums[2] + sums[3], total, 1e-9 * total);
+    }
+  });
+}
+
+// The model's decode step on our kernels equals its libtorch path: single and batched decode,
+// rows of two adapters and the base model in one batch, both kernel ISAs.
+TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
+  Qwen2Config c = Qwen2Config::preset("tiny");
+  c.vocab_size = 1000;
+  c.intermediate_size = 96;
+  auto m = Qwen2Model::from_named(c, random_weights(c, 1, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  LoraConfig lc;
+  lc.rank = 4;
+  lc.alpha = 8;
+  lc.targets = {LoraModule::kQ, LoraModule::kK, LoraModule::kV, LoraModule::kO,
+                LoraModule::kGate, LoraModule::kUp, LoraModule::kDown};
+  auto a1 = LoraAdapter::init(lc, c, 11, at::kCPU), a2 = LoraAdapter::init(lc, c, 12, at::kCPU);
+  for (auto* a : {&a1, &a2})
+    for (auto& p : a->parameters()) p.normal_(0, 0.05);  // non-zero B: the deltas matter
+  at::NoGradGuard ng;
+  std::mt19937 rng(7);
+  auto run = [&](bool fast, bool batched) {
+    const bool prev = set_cpu_fast_paths(fast);
+    ContiguousKvCache cache(c, 3, 40, at::kFloat, at::kCPU);
+    std::vector<std::vector<std::int64_t>> prompts = {{1, 2, 3}, {4, 5, 6, 7, 8, 9, 10, 11, 12}, {13, 14, 15, 16, 17}};
+    auto pb = make_batch(prompts, {}, at::kCPU);
+    auto pm = cache.plan(pb.segs, {0, 1, 2});
+    m->forward(pb, nullptr, &cache.pool(), &pm);
+    auto lora = LoraBatch::from_row_slots({&a1, &a2}, {0, -1, 1}, at::kCPU);
+    std::vector<std::int64_t> past = {3, 9, 5};
+    std::vector<at::Tensor> out;
+    for (int step = 0; step < 6; ++step) {
+      auto db = make_batch({{20 + step}, {30 + step}, {40 + step}}, past, at::kCPU);
+      auto dm = cache.plan(db.segs, {0, 1, 2}, batched);
+      out.push_back(m->logits(m->forward(db, &lora, &cache.pool(), &dm)));
+      for (auto& p : past) ++p;
+    }
+    set_cpu_fast_paths(prev);
+    return at::stack(out);
+  };
+  for (bool batched : {true, false}) {
+    auto want = run(false, batched);
+    both_isas([&] { EXPECT_LE(max_rel_diff(run(true, batched), want), 1e-5) << "batched=" << batched; });
+  }
+  // One sequence alone (the engine's B = 1 plan: context slots, no padded table).
+  const bool prev = set_cpu_fast_paths(true);
+  ContiguousKvCache cache(c, 1, 8, at::kFloat, at::kCPU);
+  auto pb = make_batch({{1, 2, 3}}, {}, at::kCPU);
+  auto pm = cache.plan(pb.segs, {0});
+  m->forward(pb, nullptr, &cache.pool(), &pm);
+  auto db = make_batch({{4}}, {3}, at::kCPU);
+  auto dm = cache.plan(db.segs, {0});
+  auto got = m->logits(m->forward(db, nullptr, &cache.pool(), &dm));
+  auto full = m->logits(m->forward(make_batch({{1, 2, 3, 4}}, {}, at::kCPU)));
+  EXPECT_LE(max_rel_diff(got[0], full[3]), 1e-5);
+  // A one-token prompt is a decode step with no cached context (the engine plans no context
+  // slots for it): it sees only itself.
+  {
+    ContiguousKvCache c1(c, 1, 4, at::kFloat, at::kCPU);
+    auto b1 = make_batch({{9}}, {}, at::kCPU);
+    auto m1 = c1.plan(b1.segs, {0}, /*batched_decode=*/false);
+    m1.context_slots[0] = at::Tensor();
+    auto one = m->logits(m->forward(b1, nullptr, &c1.pool(), &m1));
+    EXPECT_LE(max_rel_diff(one[0], m->logits(m->forward(make_batch({{9}}, {}, at::kCPU)))[0]), 1e-5);
+  }
+  // A plan naming a slot outside the pool is refused, not read.
+  auto bad = make_batch({{5}}, {4}, at::kCPU);
+  auto bm = cache.plan(bad.segs, {0}, /*batched_decode=*/false);
+  bm.context_slots[0][2] = 1 << 20;
+  EXPECT_THROW(m->forward(bad, nullptr, &cache.pool(), &bm), Error);
+  set_cpu_fast_paths(prev);
+}
+
+}  // namespace
+}  // namespace lorasync::model
