@@ -51,6 +51,7 @@ struct BenchServeOptions {
   int group = 8;
   std::string kv_cache_memory = "512MiB";
   int threads = 0;
+  bool cpu_fast_paths = true;  // off: the libtorch decode path and sampler (an A/B of two runs)
 };
 
 struct StreamResult {
@@ -176,6 +177,7 @@ std::vector<int> random_prompt(std::mt19937& rng, std::int64_t n, int vocab = 15
 }
 
 int run(const BenchServeOptions& o) {
+  model::set_cpu_fast_paths(o.cpu_fast_paths);
   TempDir tmp("lorasync-bench-serve");
   std::string model_dir = o.model;
   if (model_dir.empty()) {
@@ -307,6 +309,9 @@ void register_bench_serve(CLI::App& bench, Registry& reg) {
   sub->add_option("--group", o->group, "rollouts per prompt (G)")->capture_default_str();
   sub->add_option("--kv-cache-memory", o->kv_cache_memory, "KV pool of the server")->capture_default_str();
   sub->add_option("--threads", o->threads, "compute threads (0 = all cores)")->capture_default_str();
+  sub->add_option("--cpu-fast-paths", o->cpu_fast_paths,
+                  "our CPU decode kernels and sampler (false: the libtorch path, for an A/B)")
+      ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });
 }
 

@@ -1,7 +1,8 @@
-// The decode step on our CPU kernels (qwen2_model.h, set_cpu_fast_paths): the same layer maths as
+// Small steps on our CPU kernels (qwen2_model.h, set_cpu_fast_paths): the same layer maths as
 // Qwen2Model::forward, with the small per-token steps fused into single loops, q/k/v and gate/up
-// each computed in one pass over their weights, and attention reading the paged KV cache in place.
-// LoRA deltas go through LoraBatch::apply, as on the libtorch path.
+// each computed in one pass over their weights, decode rows' attention reading the paged KV cache
+// in place (a mixed step's prefill chunks use libtorch's fused attention), and LoRA deltas with
+// the maths of LoraBatch::apply on our kernels (lora_into).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
@@ -29,6 +30,9 @@ bool fp32_cpu_contiguous(const at::Tensor& t) {
 // Up to this many rows our kernels stream each weight once (1.1-1.4x the BLAS product at 8-32
 // rows on the small preset); above, BLAS's packed GEMM wins.
 constexpr std::int64_t kKernelMaxRows = 32;
+// Steps of up to this many tokens (decode rows, and the short prefill chunks of a mixed step) take
+// the fast path; larger prefills keep libtorch's multi-threaded elementwise kernels.
+constexpr std::int64_t kFastPathMaxTokens = 64;
 // Up to this many rows the BLAS product is taken as (w x^T)^T: MKL packs the small x^T instead of
 // the weight for every call (1.1-1.8x on decode shapes, measured with the wheel's MKL).
 constexpr std::int64_t kBlasTransposedMaxRows = 256;
@@ -81,6 +85,54 @@ void add_into(at::Tensor& h, const at::Tensor& y) {
   for (std::int64_t i = 0; i < n; ++i) hp[i] += yp[i];
 }
 
+// y += the LoRA deltas of every adapter of the batch that targets module m at `layer`, with the
+// same maths as LoraBatch::apply (s * B (A x) per row) on our kernels: per adapter, its rows of x
+// gathered, then two thin products. LoraBatch::apply spends ~5 dispatcher round trips per
+// (adapter, module, layer), which at rank 8 cost more than the arithmetic.
+void lora_into(const LoraBatch& lora, const at::Tensor& x, at::Tensor& y, std::int64_t layer, LoraModule m) {
+  for (const auto& part : lora.parts())
+    if (part.adapter->config().targets_module(m) &&
+        (!fp32_cpu_contiguous(part.adapter->A(layer, m)) || !fp32_cpu_contiguous(part.adapter->B(layer, m)) ||
+         (part.rows.defined() && !part.rows.device().is_cpu()))) {
+      y = lora.apply(x, y, layer, m).contiguous();  // other dtypes or devices: the libtorch path
+      return;
+    }
+  const auto M = x.size(0), in = x.size(1), out = y.size(1);
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  for (const auto& part : lora.parts()) {
+    if (!part.adapter->config().targets_module(m)) continue;
+    const auto& A = part.adapter->A(layer, m);
+    const auto& B = part.adapter->B(layer, m);
+    const auto r = A.size(0);
+    const float s = static_cast<float>(part.adapter->config().scaling());
+    at::Tensor rows;
+    if (part.rows.defined()) rows = part.rows.to(at::kLong).contiguous();
+    const std::int64_t R = rows.defined() ? rows.numel() : M;
+    const std::int64_t* ri = rows.defined() ? rows.data_ptr<std::int64_t>() : nullptr;
+    at::Tensor xs = x;
+    if (ri != nullptr) {
+      xs = at::empty({R, in}, f32);
+      for (std::int64_t i = 0; i < R; ++i) {
+        if (ri[i] < 0 || ri[i] >= M) throw_invalid("LoRA row {} outside the batch of {}", ri[i], M);
+        std::memcpy(xs.data_ptr<float>() + i * in, x.data_ptr<float>() + ri[i] * in,
+                    static_cast<std::size_t>(in) * sizeof(float));
+      }
+    }
+    auto t = at::empty({R, r}, f32), d = at::empty({R, out}, f32);
+    cpu::LinearOut pa{A.data_ptr<float>(), nullptr, r, t.data_ptr<float>(), r};
+    cpu::linear(xs.data_ptr<float>(), R, in, in, std::span<const cpu::LinearOut>(&pa, 1));
+    cpu::LinearOut pb{B.data_ptr<float>(), nullptr, out, d.data_ptr<float>(), out};
+    cpu::linear(t.data_ptr<float>(), R, r, r, std::span<const cpu::LinearOut>(&pb, 1));
+    float* yp = y.data_ptr<float>();
+    const float* dp = d.data_ptr<float>();
+    for (std::int64_t i = 0; i < R; ++i) {
+      float* yr = yp + (ri ? ri[i] : i) * out;
+      const float* dr = dp + i * out;
+      for (std::int64_t j = 0; j < out; ++j) yr[j] += dr[j] * s;
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor empty_cpu_huge_pages(at::IntArrayRef shape, c10::ScalarType dtype) {
@@ -96,7 +148,9 @@ at::Tensor empty_cpu_huge_pages(at::IntArrayRef shape, c10::ScalarType dtype) {
   void* raw = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return at::empty(shape, opts);
   const auto base = (reinterpret_cast<std::uintptr_t>(raw) + kHuge - 1) / kHuge * kHuge;
-  (void)::madvise(reinterpret_cast<void*>(base), span, MADV_HUGEPAGE);  // advice only
+  // Only the whole huge pages: the tail stays in small pages, so no tensor wastes up to 2 MiB of
+  // resident memory on a partly used huge page. Advice only: a refusal leaves small pages.
+  (void)::madvise(reinterpret_cast<void*>(base), bytes / kHuge * kHuge, MADV_HUGEPAGE);
   return at::from_blob(reinterpret_cast<void*>(base), shape, [raw, len](void*) { ::munmap(raw, len); }, opts);
 #else
   return at::empty(shape, opts);
@@ -109,25 +163,26 @@ bool cpu_fast_paths() { return g_fast.load(std::memory_order_relaxed); }
 bool Qwen2Model::cpu_decode_applies(const Batch& batch, const KvPool* kv, const AttnMeta* meta) const {
   if (!cpu_fast_paths() || kv == nullptr || meta == nullptr) return false;
   if (!device_.is_cpu() || dtype_ != at::kFloat || c10::GradMode::is_enabled()) return false;
-  const auto B = static_cast<std::int64_t>(batch.segs.size());
-  if (B == 0 || batch.n_tokens() != B) return false;
-  for (const auto& s : batch.segs)
-    if (s.len != 1) return false;
+  const auto T = batch.n_tokens();
+  const auto n_segs = static_cast<std::int64_t>(batch.segs.size());
+  if (n_segs == 0 || T > kFastPathMaxTokens) return false;
   if (!batch.tokens.device().is_cpu() || !batch.positions.device().is_cpu()) return false;
   if (kv->k.size() != layers_.size() || kv->v.size() != layers_.size()) return false;
   for (std::size_t l = 0; l < layers_.size(); ++l)
     if (!fp32_cpu_contiguous(kv->k[l]) || !fp32_cpu_contiguous(kv->v[l])) return false;
-  if (meta->decode_slots.defined()) {
-    if (meta->decode_slots.dim() != 2 || meta->decode_slots.size(0) != B) return false;
-  } else if (static_cast<std::int64_t>(meta->context_slots.size()) != B) {
-    return false;
+  if (meta->decode_slots.defined())  // the padded table comes only with all-decode batches
+    return meta->decode_slots.dim() == 2 && meta->decode_slots.size(0) == n_segs && T == n_segs;
+  if (static_cast<std::int64_t>(meta->context_slots.size()) != n_segs) return false;
+  for (std::int64_t i = 0; i < n_segs; ++i) {
+    const auto& s = batch.segs[static_cast<std::size_t>(i)];
+    if (s.past > 0 && !meta->context_slots[static_cast<std::size_t>(i)].defined()) return false;
   }
   return true;
 }
 
 at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* lora, KvPool& kv,
                                           const AttnMeta& meta) const {
-  const auto B = batch.n_tokens();
+  const auto B = batch.n_tokens();  // rows (tokens) of the batch
   const auto d = cfg_.hidden_size, I = cfg_.intermediate_size, V = cfg_.vocab_size;
   const auto nh = cfg_.num_attention_heads, nkv = cfg_.num_key_value_heads, hd = cfg_.head_dim;
   const auto qd = cfg_.q_dim(), kvd = cfg_.kv_dim();
@@ -141,34 +196,45 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
   const std::int64_t* tok = tokens.data_ptr<std::int64_t>();
   const std::int64_t* pos = positions.data_ptr<std::int64_t>();
   const std::int64_t* sm = slot_map.data_ptr<std::int64_t>();
+  for (std::int64_t b = 0; b < B; ++b)
+    if (sm[b] < 0 || sm[b] >= n_slots) throw_invalid("token {}: slot {} outside the pool of {}", b, sm[b], n_slots);
 
-  // Each sequence's context: its first past + 1 slots, checked against the pool once per step
-  // (the kernels read the pool in place).
+  // Segments of one new token (decode) go to our attention kernel with their context's slots,
+  // checked against the pool once per step (the kernel reads the pool in place); longer ones
+  // (prefill chunks of a mixed step) to libtorch's fused attention.
   std::vector<at::Tensor> keep;
-  std::vector<const std::int64_t*> slots(static_cast<std::size_t>(B));
-  std::vector<std::int64_t> lens(static_cast<std::size_t>(B));
+  std::vector<const std::int64_t*> slots;
+  std::vector<std::int64_t> lens, dec_rows;
+  std::vector<std::size_t> chunk_segs;
   at::Tensor ds;
   if (meta.decode_slots.defined()) ds = meta.decode_slots.to(at::kCPU).to(at::kLong).contiguous();
-  for (std::int64_t b = 0; b < B; ++b) {
-    const auto& seg = batch.segs[static_cast<std::size_t>(b)];
+  for (std::size_t i = 0; i < batch.segs.size(); ++i) {
+    const auto& seg = batch.segs[i];
+    if (seg.len != 1) {
+      chunk_segs.push_back(i);
+      continue;
+    }
+    const auto b = static_cast<std::int64_t>(i);
     const std::int64_t L = seg.past + 1;
     const std::int64_t* p = nullptr;
     if (ds.defined()) {
       if (L > ds.size(1)) throw_invalid("decode sequence {} needs {} context slots, the plan has {}", b, L, ds.size(1));
       p = ds.data_ptr<std::int64_t>() + b * ds.size(1);
-    } else if (seg.past == 0 && !meta.context_slots[static_cast<std::size_t>(b)].defined()) {
-      p = sm + b;  // a one-token prompt: its context is its own new slot (the engine sends none)
+    } else if (seg.past == 0 && !meta.context_slots[i].defined()) {
+      p = sm + seg.begin;  // a one-token prompt: its context is its own new slot (the engine sends none)
     } else {
-      auto c = meta.context_slots[static_cast<std::size_t>(b)].to(at::kCPU).to(at::kLong).contiguous();
+      auto c = meta.context_slots[i].to(at::kCPU).to(at::kLong).contiguous();
       if (c.numel() != L) throw_invalid("decode sequence {} has {} context slots for {} positions", b, c.numel(), L);
       p = c.data_ptr<std::int64_t>();
       keep.push_back(std::move(c));
     }
     for (std::int64_t j = 0; j < L; ++j)
       if (p[j] < 0 || p[j] >= n_slots) throw_invalid("decode sequence {}: slot {} outside the pool of {}", b, p[j], n_slots);
-    if (p[L - 1] != sm[b]) throw_invalid("decode sequence {}: its new token's slot {} is not its context's last ({})", b, sm[b], p[L - 1]);
-    slots[static_cast<std::size_t>(b)] = p;
-    lens[static_cast<std::size_t>(b)] = L;
+    if (p[L - 1] != sm[seg.begin])
+      throw_invalid("decode sequence {}: its new token's slot {} is not its context's last ({})", b, sm[seg.begin], p[L - 1]);
+    slots.push_back(p);
+    lens.push_back(L);
+    dec_rows.push_back(seg.begin);
   }
 
   auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -188,9 +254,9 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
     linear_into(x, {out_of(Ly.q_w, &Ly.q_b, q), out_of(Ly.k_w, &Ly.k_b, k), out_of(Ly.v_w, &Ly.v_b, v)},
                 {{&Ly.q_w, &q}, {&Ly.k_w, &k}, {&Ly.v_w, &v}});
     if (lora) {
-      q = lora->apply(x, q, li, LoraModule::kQ).contiguous();
-      k = lora->apply(x, k, li, LoraModule::kK).contiguous();
-      v = lora->apply(x, v, li, LoraModule::kV).contiguous();
+      lora_into(*lora, x, q, li, LoraModule::kQ);
+      lora_into(*lora, x, k, li, LoraModule::kK);
+      lora_into(*lora, x, v, li, LoraModule::kV);
     }
     cpu::rope(q.data_ptr<float>(), B, qd, nh, hd, pos, inv_freq);
     cpu::rope(k.data_ptr<float>(), B, kvd, nkv, hd, pos, inv_freq);
@@ -201,11 +267,25 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
       std::memcpy(vp + sm[b] * kvd, v.data_ptr<float>() + b * kvd, static_cast<std::size_t>(kvd) * sizeof(float));
     }
     auto attn = at::empty({B, qd}, f32);
-    cpu::decode_attention(q.data_ptr<float>(), kp, vp, nh, nkv, hd, B, slots.data(), lens.data(),
-                          attn.data_ptr<float>());
+    if (!dec_rows.empty())
+      cpu::decode_attention(q.data_ptr<float>(), kp, vp, nh, nkv, hd, static_cast<std::int64_t>(dec_rows.size()),
+                            dec_rows.data(), slots.data(), lens.data(), attn.data_ptr<float>());
+    for (std::size_t i : chunk_segs) {
+      const auto& seg = batch.segs[i];
+      auto qs = q.narrow(0, seg.begin, seg.len).view({seg.len, nh, hd});
+      at::Tensor out;
+      if (seg.past == 0) {
+        out = segment_attention(qs, k.narrow(0, seg.begin, seg.len).view({seg.len, nkv, hd}),
+                                v.narrow(0, seg.begin, seg.len).view({seg.len, nkv, hd}), 0);
+      } else {
+        const auto& ctx = meta.context_slots[i];
+        out = segment_attention(qs, kv.k[l].index_select(0, ctx), kv.v[l].index_select(0, ctx), seg.past);
+      }
+      attn.narrow(0, seg.begin, seg.len).copy_(out);
+    }
     auto o = at::empty({B, d}, f32);
     linear_into(attn, {out_of(Ly.o_w, nullptr, o)}, {{&Ly.o_w, &o}});
-    if (lora) o = lora->apply(attn, o, li, LoraModule::kO).contiguous();
+    if (lora) lora_into(*lora, attn, o, li, LoraModule::kO);
     add_into(h, o);
 
     cpu::rms_norm(h.data_ptr<float>(), Ly.post_norm.data_ptr<float>(), eps, B, d, x.data_ptr<float>());
@@ -213,14 +293,14 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
     linear_into(x, {out_of(Ly.gate_w, nullptr, gate), out_of(Ly.up_w, nullptr, up)},
                 {{&Ly.gate_w, &gate}, {&Ly.up_w, &up}});
     if (lora) {
-      gate = lora->apply(x, gate, li, LoraModule::kGate).contiguous();
-      up = lora->apply(x, up, li, LoraModule::kUp).contiguous();
+      lora_into(*lora, x, gate, li, LoraModule::kGate);
+      lora_into(*lora, x, up, li, LoraModule::kUp);
     }
     auto act = at::empty({B, I}, f32);
     cpu::silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), B * I, act.data_ptr<float>());
     auto down = at::empty({B, d}, f32);
     linear_into(act, {out_of(Ly.down_w, nullptr, down)}, {{&Ly.down_w, &down}});
-    if (lora) down = lora->apply(act, down, li, LoraModule::kDown).contiguous();
+    if (lora) lora_into(*lora, act, down, li, LoraModule::kDown);
     add_into(h, down);
   }
   auto out = at::empty({B, d}, f32);

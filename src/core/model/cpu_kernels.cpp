@@ -155,6 +155,25 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpos(__m256 x) {
   return _mm256_andnot_ps(zero_mask, out);
 }
 
+// silu(g) * u = g * sigmoid(g) * u with sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0,
+// e / (1 + e) below.
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* gate, const float* up, std::int64_t n,
+                                                       float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp_nonpos(_mm256_or_ps(g, sign));  // exp(-|g|)
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);  // sign bit of g picks e/(1+e)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
 __attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, std::int64_t n, float t) {
   const __m256 tv = _mm256_set1_ps(t);
   __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -301,6 +320,9 @@ void rope(float* x, std::int64_t M, std::int64_t ld, std::int64_t heads, std::in
 }
 
 void silu_mul(const float* gate, const float* up, std::int64_t n, float* out) {
+#if LS_X86
+  if (use_avx2()) return silu_mul_avx2(gate, up, n, out);
+#endif
   for (std::int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     out[i] = g / (1.0f + std::exp(-g)) * up[i];
@@ -308,7 +330,7 @@ void silu_mul(const float* gate, const float* up, std::int64_t n, float* out) {
 }
 
 void decode_attention(const float* q, const float* k_pool, const float* v_pool, std::int64_t nh,
-                      std::int64_t nkv, std::int64_t hd, std::int64_t B,
+                      std::int64_t nkv, std::int64_t hd, std::int64_t B, const std::int64_t* rows,
                       const std::int64_t* const* slots, const std::int64_t* lens, float* out) {
   const std::int64_t g = nh / nkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -335,13 +357,14 @@ void decode_attention(const float* q, const float* k_pool, const float* v_pool, 
       const std::int64_t b = t / nkv, h = t % nkv, L = lens[b];
       const std::int64_t* sl = slots[b];
       scores.assign(static_cast<std::size_t>(g * L), 0.0f);
-      const float* qb = q + (b * nh + h * g) * hd;
+      const std::int64_t row = rows ? rows[b] : b;
+      const float* qb = q + (row * nh + h * g) * hd;
       for (std::int64_t j = 0; j < L; ++j) {
         const float* kj = k_pool + (sl[j] * nkv + h) * hd;
         for (std::int64_t i = 0; i < g; ++i)
           scores[static_cast<std::size_t>(i * L + j)] = dot(qb + i * hd, kj, hd) * scale;
       }
-      float* ob = out + (b * nh + h * g) * hd;
+      float* ob = out + (row * nh + h * g) * hd;
       std::fill(ob, ob + g * hd, 0.0f);
       std::vector<float> inv(static_cast<std::size_t>(g));
       for (std::int64_t i = 0; i < g; ++i) {

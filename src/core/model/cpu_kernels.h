@@ -54,10 +54,11 @@ void rope(float* x, std::int64_t M, std::int64_t ld, std::int64_t heads, std::in
 void silu_mul(const float* gate, const float* up, std::int64_t n, float* out);
 
 // One query token per sequence against its cached keys, read in place from the pool.
-//   q [B, nh * hd]; k_pool / v_pool [n_slots, nkv, hd]; sequence b attends to the slots
-//   slots[b][0 .. lens[b]) in order; out [B, nh * hd]. Query head i uses KV head i / (nh / nkv).
+//   q, out [*, nh * hd]: sequence b's query and output are row rows[b] (rows null: row b);
+//   k_pool / v_pool [n_slots, nkv, hd]; sequence b attends to the slots slots[b][0 .. lens[b]) in
+//   order. Query head i uses KV head i / (nh / nkv).
 void decode_attention(const float* q, const float* k_pool, const float* v_pool, std::int64_t nh,
-                      std::int64_t nkv, std::int64_t hd, std::int64_t B,
+                      std::int64_t nkv, std::int64_t hd, std::int64_t B, const std::int64_t* rows,
                       const std::int64_t* const* slots, const std::int64_t* lens, float* out);
 
 // Softmax statistics of one row z = x / t (t > 0), for the sampler:

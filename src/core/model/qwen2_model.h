@@ -97,7 +97,7 @@ class Qwen2Model {
                        const at::Tensor& cos, const at::Tensor& sin, const LoraBatch* lora,
                        KvPool* kv, const AttnMeta* meta) const;
   at::Tensor& module_weight(std::int64_t layer, LoraModule m);
-  // The decode step on our CPU kernels (cpu_decode.cpp): pure decode batches, fp32, no gradient.
+  // Small steps on our CPU kernels (cpu_decode.cpp; set_cpu_fast_paths).
   bool cpu_decode_applies(const Batch& batch, const KvPool* kv, const AttnMeta* meta) const;
   at::Tensor forward_cpu_decode(const Batch& batch, const LoraBatch* lora, KvPool& kv,
                                 const AttnMeta& meta) const;
@@ -112,8 +112,9 @@ class Qwen2Model {
   at::Tensor inv_freq_;  // fp32 [head_dim / 2]
 };
 
-// On CPU, fp32 decode steps (every segment one new token, with a KV cache, no gradient) and the LM
-// head of a few rows run our kernels (cpu_kernels.h): the libtorch expression of the same maths
+// On CPU, fp32 steps of up to 64 tokens with a KV cache and no gradient (decode rows, and the
+// short prefill chunks of a mixed step, whose attention stays libtorch's) and the LM head of up
+// to 256 rows run our kernels (cpu_kernels.h): the libtorch expression of the same maths
 // pays a dispatcher round trip per small op and streams the weights at a third of the memory
 // bandwidth. Off = the libtorch path everywhere (tests compare the two; bench forward's baseline).
 // Returns the previous setting. Process-wide.

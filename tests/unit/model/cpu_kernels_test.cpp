@@ -82,9 +82,11 @@ TEST(CpuKernels, NormRopeAndSiluEqualTheReferences) {
   EXPECT_LE(max_rel_diff(r, want), 1e-5);
 
   auto up = at::randn({M, heads * hd});
-  auto act = at::empty_like(x);
-  cpu::silu_mul(x.data_ptr<float>(), up.data_ptr<float>(), x.numel(), act.data_ptr<float>());
-  EXPECT_LE(max_rel_diff(act, at::silu(x) * up), 1e-6);
+  both_isas([&] {
+    auto act = at::empty_like(x);
+    cpu::silu_mul(x.data_ptr<float>(), up.data_ptr<float>(), x.numel(), act.data_ptr<float>());
+    EXPECT_LE(max_rel_diff(act, at::silu(x) * up), 1e-6);
+  });
 }
 
 TEST(CpuKernels, DecodeAttentionReadsScatteredSlotsInPlace) {
@@ -106,7 +108,7 @@ TEST(CpuKernels, DecodeAttentionReadsScatteredSlotsInPlace) {
       lens.push_back(static_cast<std::int64_t>(s.size()));
     }
     cpu::decode_attention(q.data_ptr<float>(), kp.data_ptr<float>(), vp.data_ptr<float>(), nh, nkv, hd, B,
-                          ptrs.data(), lens.data(), out.data_ptr<float>());
+                          nullptr, ptrs.data(), lens.data(), out.data_ptr<float>());
     for (std::int64_t b = 0; b < B; ++b) {
       auto idx = at::tensor(slots[static_cast<std::size_t>(b)], at::TensorOptions().dtype(at::kLong));
       auto want = segment_attention_reference(q[b].view({1, nh, hd}), kp.index_select(0, idx),
@@ -208,6 +210,39 @@ TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
   bm.context_slots[0][2] = 1 << 20;
   EXPECT_THROW(m->forward(bad, nullptr, &cache.pool(), &bm), Error);
   set_cpu_fast_paths(prev);
+}
+
+// A mixed step (a decode row, a prefill chunk after cached tokens, a fresh prompt) with adapters
+// on some rows takes the fast path too and equals the libtorch path.
+TEST(CpuDecode, MixedStepsEqualTheLibtorchPath) {
+  Qwen2Config c = Qwen2Config::preset("tiny");
+  c.vocab_size = 1000;
+  c.intermediate_size = 96;
+  auto m = Qwen2Model::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  LoraConfig lc;
+  lc.rank = 2;
+  lc.targets = LoraConfig::parse_targets({"all-linear"});
+  auto a1 = LoraAdapter::init(lc, c, 3, at::kCPU);
+  for (auto& p : a1.parameters()) p.normal_(0, 0.05);
+  at::NoGradGuard ng;
+  auto run = [&](bool fast) {
+    const bool prev = set_cpu_fast_paths(fast);
+    ContiguousKvCache cache(c, 3, 32, at::kFloat, at::kCPU);
+    auto pb = make_batch({{1, 2, 3, 4}, {5, 6}}, {}, at::kCPU);
+    auto pm = cache.plan(pb.segs, {0, 1});
+    m->forward(pb, nullptr, &cache.pool(), &pm);
+    // seq 0 decodes one token, seq 1 adds a chunk of 3, seq 2 starts with a prompt of 5.
+    auto mb = make_batch({{7}, {8, 9, 10}, {11, 12, 13, 14, 15}}, {4, 2, 0}, at::kCPU);
+    auto mm = cache.plan(mb.segs, {0, 1, 2});
+    EXPECT_FALSE(mm.decode_slots.defined());
+    std::vector<int> row_slot = {0, -1, -1, -1, 0, 0, 0, 0, 0};
+    auto lora = LoraBatch::from_row_slots({&a1}, row_slot, at::kCPU);
+    auto out = m->logits(m->forward(mb, &lora, &cache.pool(), &mm));
+    set_cpu_fast_paths(prev);
+    return out;
+  };
+  auto want = run(false);
+  both_isas([&] { EXPECT_LE(max_rel_diff(run(true), want), 1e-5); });
 }
 
 }  // namespace
