@@ -30,9 +30,9 @@ bool fp32_cpu_contiguous(const at::Tensor& t) {
 // Up to this many rows our kernels stream each weight once (1.1-1.4x the BLAS product at 8-32
 // rows on the small preset); above, BLAS's packed GEMM wins.
 constexpr std::int64_t kKernelMaxRows = 32;
-// Steps of up to this many tokens (decode rows, and the short prefill chunks of a mixed step) take
-// the fast path; larger prefills keep libtorch's multi-threaded elementwise kernels.
-constexpr std::int64_t kFastPathMaxTokens = 64;
+// Steps of up to this many tokens (decode rows, prefill chunks, mixed steps) take the fast path
+// (its elementwise steps split large batches over the threads too); above, the libtorch path.
+constexpr std::int64_t kFastPathMaxTokens = 4096;
 // Up to this many rows the BLAS product is taken as (w x^T)^T: MKL packs the small x^T instead of
 // the weight for every call (1.1-1.8x on decode shapes, measured with the wheel's MKL).
 constexpr std::int64_t kBlasTransposedMaxRows = 256;

@@ -284,8 +284,28 @@ void linear(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
   });
 }
 
+static void rms_norm_rows(const float* x, const float* w, float eps, std::int64_t m0, std::int64_t m1,
+                   std::int64_t d, float* out);
+static void rope_rows(float* x, std::int64_t m0, std::int64_t m1, std::int64_t ld, std::int64_t heads,
+               std::int64_t hd, const std::int64_t* positions, const float* inv_freq);
+
+// Elementwise steps split their rows over the threads only when a step has this many elements
+// (a decode step's few rows are cheaper on one thread than a parallel region).
+constexpr std::int64_t kParallelElems = std::int64_t{1} << 16;
+
+template <class F>
+void over_rows(std::int64_t M, std::int64_t row_elems, const F& f) {
+  if (M * row_elems < kParallelElems) return f(0, M);
+  parallel_for(M, [&](std::int64_t b, std::int64_t e) { f(b, e); });
+}
+
 void rms_norm(const float* x, const float* w, float eps, std::int64_t M, std::int64_t d, float* out) {
-  for (std::int64_t m = 0; m < M; ++m) {
+  over_rows(M, d, [&](std::int64_t m0, std::int64_t m1) { rms_norm_rows(x, w, eps, m0, m1, d, out); });
+}
+
+static void rms_norm_rows(const float* x, const float* w, float eps, std::int64_t m0, std::int64_t m1,
+                   std::int64_t d, float* out) {
+  for (std::int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * d;
     double ss = 0;
     for (std::int64_t i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * xr[i];
@@ -298,9 +318,16 @@ void rms_norm(const float* x, const float* w, float eps, std::int64_t M, std::in
 
 void rope(float* x, std::int64_t M, std::int64_t ld, std::int64_t heads, std::int64_t hd,
           const std::int64_t* positions, const float* inv_freq) {
+  over_rows(M, heads * hd, [&](std::int64_t m0, std::int64_t m1) {
+    rope_rows(x, m0, m1, ld, heads, hd, positions, inv_freq);
+  });
+}
+
+static void rope_rows(float* x, std::int64_t m0, std::int64_t m1, std::int64_t ld, std::int64_t heads,
+               std::int64_t hd, const std::int64_t* positions, const float* inv_freq) {
   const std::int64_t half = hd / 2;
   std::vector<float> c(static_cast<std::size_t>(half)), s(static_cast<std::size_t>(half));
-  for (std::int64_t m = 0; m < M; ++m) {
+  for (std::int64_t m = m0; m < m1; ++m) {
     const float p = static_cast<float>(positions[m]);
     for (std::int64_t i = 0; i < half; ++i) {
       const float a = p * inv_freq[i];
@@ -320,13 +347,18 @@ void rope(float* x, std::int64_t M, std::int64_t ld, std::int64_t heads, std::in
 }
 
 void silu_mul(const float* gate, const float* up, std::int64_t n, float* out) {
+  // In pieces of 4096 elements (a multiple of the vector width) spread over the threads.
+  const std::int64_t piece = 4096, pieces = (n + piece - 1) / piece;
+  over_rows(pieces, piece, [&](std::int64_t p0, std::int64_t p1) {
+    const std::int64_t b = p0 * piece, e = std::min(n, p1 * piece);
 #if LS_X86
-  if (use_avx2()) return silu_mul_avx2(gate, up, n, out);
+    if (use_avx2()) return silu_mul_avx2(gate + b, up + b, e - b, out + b);
 #endif
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    out[i] = g / (1.0f + std::exp(-g)) * up[i];
-  }
+    for (std::int64_t i = b; i < e; ++i) {
+      const float g = gate[i];
+      out[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
+  });
 }
 
 void decode_attention(const float* q, const float* k_pool, const float* v_pool, std::int64_t nh,

@@ -89,6 +89,28 @@ TEST(CpuKernels, NormRopeAndSiluEqualTheReferences) {
   });
 }
 
+// Steps large enough to split their rows over the threads give the same results.
+TEST(CpuKernels, ElementwiseStepsSplitOverThreadsEqualTheReferences) {
+  at::manual_seed(6);
+  const std::int64_t M = 300, heads = 4, hd = 64, d = heads * hd;  // 76,800 elements per step
+  auto x = at::randn({M, d}) * 2.0;
+  auto w = at::randn({d});
+  auto got = at::empty_like(x);
+  cpu::rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), 1e-6f, M, d, got.data_ptr<float>());
+  EXPECT_LE(max_rel_diff(got, rms_norm_reference(x, w, 1e-6)), 1e-6);
+  auto inv = rope_inv_freq(hd, 10000.0, at::kCPU);
+  std::vector<std::int64_t> pos(static_cast<std::size_t>(M));
+  for (std::int64_t i = 0; i < M; ++i) pos[static_cast<std::size_t>(i)] = 3 * i;
+  auto [c, s] = rope_cos_sin(at::tensor(pos, at::TensorOptions().dtype(at::kLong)), inv);
+  auto r = x.clone();
+  cpu::rope(r.data_ptr<float>(), M, d, heads, hd, pos.data(), inv.data_ptr<float>());
+  EXPECT_LE(max_rel_diff(r, apply_rope(x.view({M, heads, hd}), c, s).reshape({M, d})), 1e-5);
+  auto g = at::randn({5, 40001}) * 4.0, u = at::randn({5, 40001});  // odd length: a scalar tail
+  auto act = at::empty_like(g);
+  cpu::silu_mul(g.data_ptr<float>(), u.data_ptr<float>(), g.numel(), act.data_ptr<float>());
+  EXPECT_LE(max_rel_diff(act, at::silu(g) * u), 1e-6);
+}
+
 TEST(CpuKernels, DecodeAttentionReadsScatteredSlotsInPlace) {
   at::manual_seed(4);
   both_isas([] {
@@ -143,21 +165,30 @@ TEST(CpuKernels, SoftmaxStatisticsMatchLogSoftmax) {
   });
 }
 
-// The model's decode step on our kernels equals its libtorch path: single and batched decode,
-// rows of two adapters and the base model in one batch, both kernel ISAs.
-TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
+Qwen2Config tiny_config() {
   Qwen2Config c = Qwen2Config::preset("tiny");
   c.vocab_size = 1000;
   c.intermediate_size = 96;
-  auto m = Qwen2Model::from_named(c, random_weights(c, 1, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  return c;
+}
+
+// An adapter on every linear with non-zero A and B, so that its deltas matter.
+LoraAdapter busy_adapter(const Qwen2Config& c, std::int64_t rank, std::uint64_t seed) {
   LoraConfig lc;
-  lc.rank = 4;
-  lc.alpha = 8;
-  lc.targets = {LoraModule::kQ, LoraModule::kK, LoraModule::kV, LoraModule::kO,
-                LoraModule::kGate, LoraModule::kUp, LoraModule::kDown};
-  auto a1 = LoraAdapter::init(lc, c, 11, at::kCPU), a2 = LoraAdapter::init(lc, c, 12, at::kCPU);
-  for (auto* a : {&a1, &a2})
-    for (auto& p : a->parameters()) p.normal_(0, 0.05);  // non-zero B: the deltas matter
+  lc.rank = rank;
+  lc.alpha = 2.0 * static_cast<double>(rank);
+  lc.targets = LoraConfig::parse_targets({"all-linear"});
+  auto a = LoraAdapter::init(lc, c, seed, at::kCPU);
+  for (auto& p : a.parameters()) p.normal_(0, 0.05);
+  return a;
+}
+
+// The model's decode step on our kernels equals its libtorch path: single and batched decode,
+// rows of two adapters and the base model in one batch, both kernel ISAs.
+TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
+  const Qwen2Config c = tiny_config();
+  auto m = Qwen2Model::from_named(c, random_weights(c, 1, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto a1 = busy_adapter(c, 4, 11), a2 = busy_adapter(c, 4, 12);
   at::NoGradGuard ng;
   std::mt19937 rng(7);
   auto run = [&](bool fast, bool batched) {
@@ -215,15 +246,9 @@ TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
 // A mixed step (a decode row, a prefill chunk after cached tokens, a fresh prompt) with adapters
 // on some rows takes the fast path too and equals the libtorch path.
 TEST(CpuDecode, MixedStepsEqualTheLibtorchPath) {
-  Qwen2Config c = Qwen2Config::preset("tiny");
-  c.vocab_size = 1000;
-  c.intermediate_size = 96;
+  const Qwen2Config c = tiny_config();
   auto m = Qwen2Model::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
-  LoraConfig lc;
-  lc.rank = 2;
-  lc.targets = LoraConfig::parse_targets({"all-linear"});
-  auto a1 = LoraAdapter::init(lc, c, 3, at::kCPU);
-  for (auto& p : a1.parameters()) p.normal_(0, 0.05);
+  auto a1 = busy_adapter(c, 2, 3);
   at::NoGradGuard ng;
   auto run = [&](bool fast) {
     const bool prev = set_cpu_fast_paths(fast);
