@@ -58,24 +58,27 @@ void blas_linear_into(const at::Tensor& x, const at::Tensor& w, const float* bia
   }
 }
 
-// y [M, N] = x [M, K] w^T (+ bias) for several w sharing x: our kernel for a few rows, BLAS above.
-void linear_into(const at::Tensor& x, std::initializer_list<cpu::LinearOut> parts,
-                 std::initializer_list<std::pair<const at::Tensor*, at::Tensor*>> blas) {
+// One output of a linear: y = x w^T (+ bias).
+struct Proj {
+  const at::Tensor* w;
+  const at::Tensor* bias;  // may be null
+  at::Tensor* y;
+};
+
+// Every projection of `projs` shares x [M, K]: our kernel (one parallel region, each weight read
+// once) for a few rows, BLAS above.
+void linear_into(const at::Tensor& x, std::initializer_list<Proj> projs) {
   const auto M = x.size(0), K = x.size(1);
-  if (M <= kKernelMaxRows) {
-    cpu::linear(x.data_ptr<float>(), M, K, K, std::span<const cpu::LinearOut>(parts.begin(), parts.size()));
+  if (M > kKernelMaxRows) {
+    for (const auto& p : projs) blas_linear_into(x, *p.w, p.bias ? p.bias->data_ptr<float>() : nullptr, *p.y);
     return;
   }
-  auto p = parts.begin();
-  for (const auto& [w, y] : blas) {
-    blas_linear_into(x, *w, p->bias, *y);
-    ++p;
-  }
-}
-
-cpu::LinearOut out_of(const at::Tensor& w, const at::Tensor* bias, at::Tensor& y) {
-  return {w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, w.size(0), y.data_ptr<float>(),
-          y.size(1)};
+  std::vector<cpu::LinearOut> parts;
+  parts.reserve(projs.size());
+  for (const auto& p : projs)
+    parts.push_back({p.w->data_ptr<float>(), p.bias ? p.bias->data_ptr<float>() : nullptr, p.w->size(0),
+                     p.y->data_ptr<float>(), p.y->size(1)});
+  cpu::linear(x.data_ptr<float>(), M, K, K, parts);
 }
 
 void add_into(at::Tensor& h, const at::Tensor& y) {
@@ -85,50 +88,62 @@ void add_into(at::Tensor& h, const at::Tensor& y) {
   for (std::int64_t i = 0; i < n; ++i) hp[i] += yp[i];
 }
 
-// y += the LoRA deltas of every adapter of the batch that targets module m at `layer`, with the
-// same maths as LoraBatch::apply (s * B (A x) per row) on our kernels: per adapter, its rows of x
-// gathered, then two thin products. LoraBatch::apply spends ~5 dispatcher round trips per
-// (adapter, module, layer), which at rank 8 cost more than the arithmetic.
-void lora_into(const LoraBatch& lora, const at::Tensor& x, at::Tensor& y, std::int64_t layer, LoraModule m) {
+// One LoRA-targeted output: y += the deltas of module m.
+struct LoraOut {
+  at::Tensor* y;
+  LoraModule m;
+};
+
+// The LoRA deltas of every adapter of the batch for outputs that share the input x, with the
+// maths of LoraBatch::apply (y += s * B (A x) per row) on our kernels: per adapter, its rows of x
+// gathered once for all the outputs, then two thin products per targeted module.
+// LoraBatch::apply spends ~5 dispatcher round trips per (adapter, module, layer), which at rank 8
+// cost more than the arithmetic.
+void lora_into(const LoraBatch& lora, const at::Tensor& x, std::int64_t layer, std::initializer_list<LoraOut> outs) {
   for (const auto& part : lora.parts())
-    if (part.adapter->config().targets_module(m) &&
-        (!fp32_cpu_contiguous(part.adapter->A(layer, m)) || !fp32_cpu_contiguous(part.adapter->B(layer, m)) ||
-         (part.rows.defined() && !part.rows.device().is_cpu()))) {
-      y = lora.apply(x, y, layer, m).contiguous();  // other dtypes or devices: the libtorch path
-      return;
-    }
-  const auto M = x.size(0), in = x.size(1), out = y.size(1);
+    for (const auto& o : outs)
+      if (part.adapter->config().targets_module(o.m) &&
+          (!fp32_cpu_contiguous(part.adapter->A(layer, o.m)) || !fp32_cpu_contiguous(part.adapter->B(layer, o.m)) ||
+           (part.rows.defined() && !part.rows.device().is_cpu()))) {
+        // Other dtypes or devices: the libtorch path.
+        for (const auto& oo : outs) *oo.y = lora.apply(x, *oo.y, layer, oo.m).contiguous();
+        return;
+      }
+  const auto M = x.size(0), in = x.size(1);
   auto f32 = at::TensorOptions().dtype(at::kFloat);
   for (const auto& part : lora.parts()) {
-    if (!part.adapter->config().targets_module(m)) continue;
-    const auto& A = part.adapter->A(layer, m);
-    const auto& B = part.adapter->B(layer, m);
-    const auto r = A.size(0);
-    const float s = static_cast<float>(part.adapter->config().scaling());
-    at::Tensor rows;
-    if (part.rows.defined()) rows = part.rows.to(at::kLong).contiguous();
-    const std::int64_t R = rows.defined() ? rows.numel() : M;
-    const std::int64_t* ri = rows.defined() ? rows.data_ptr<std::int64_t>() : nullptr;
-    at::Tensor xs = x;
-    if (ri != nullptr) {
-      xs = at::empty({R, in}, f32);
-      for (std::int64_t i = 0; i < R; ++i) {
-        if (ri[i] < 0 || ri[i] >= M) throw_invalid("LoRA row {} outside the batch of {}", ri[i], M);
-        std::memcpy(xs.data_ptr<float>() + i * in, x.data_ptr<float>() + ri[i] * in,
-                    static_cast<std::size_t>(in) * sizeof(float));
+    at::Tensor rows, xs = x;
+    const std::int64_t* ri = nullptr;
+    std::int64_t R = M;
+    for (const auto& o : outs) {
+      if (!part.adapter->config().targets_module(o.m)) continue;
+      if (part.rows.defined() && ri == nullptr) {  // gather this adapter's rows once
+        rows = part.rows.to(at::kLong).contiguous();
+        R = rows.numel();
+        ri = rows.data_ptr<std::int64_t>();
+        xs = at::empty({R, in}, f32);
+        for (std::int64_t i = 0; i < R; ++i) {
+          if (ri[i] < 0 || ri[i] >= M) throw_invalid("LoRA row {} outside the batch of {}", ri[i], M);
+          std::memcpy(xs.data_ptr<float>() + i * in, x.data_ptr<float>() + ri[i] * in,
+                      static_cast<std::size_t>(in) * sizeof(float));
+        }
       }
-    }
-    auto t = at::empty({R, r}, f32), d = at::empty({R, out}, f32);
-    cpu::LinearOut pa{A.data_ptr<float>(), nullptr, r, t.data_ptr<float>(), r};
-    cpu::linear(xs.data_ptr<float>(), R, in, in, std::span<const cpu::LinearOut>(&pa, 1));
-    cpu::LinearOut pb{B.data_ptr<float>(), nullptr, out, d.data_ptr<float>(), out};
-    cpu::linear(t.data_ptr<float>(), R, r, r, std::span<const cpu::LinearOut>(&pb, 1));
-    float* yp = y.data_ptr<float>();
-    const float* dp = d.data_ptr<float>();
-    for (std::int64_t i = 0; i < R; ++i) {
-      float* yr = yp + (ri ? ri[i] : i) * out;
-      const float* dr = dp + i * out;
-      for (std::int64_t j = 0; j < out; ++j) yr[j] += dr[j] * s;
+      const auto& A = part.adapter->A(layer, o.m);
+      const auto& B = part.adapter->B(layer, o.m);
+      const auto r = A.size(0), out = o.y->size(1);
+      const float s = static_cast<float>(part.adapter->config().scaling());
+      auto t = at::empty({R, r}, f32), d = at::empty({R, out}, f32);
+      cpu::LinearOut pa{A.data_ptr<float>(), nullptr, r, t.data_ptr<float>(), r};
+      cpu::linear(xs.data_ptr<float>(), R, in, in, std::span<const cpu::LinearOut>(&pa, 1));
+      cpu::LinearOut pb{B.data_ptr<float>(), nullptr, out, d.data_ptr<float>(), out};
+      cpu::linear(t.data_ptr<float>(), R, r, r, std::span<const cpu::LinearOut>(&pb, 1));
+      float* yp = o.y->data_ptr<float>();
+      const float* dp = d.data_ptr<float>();
+      for (std::int64_t i = 0; i < R; ++i) {
+        float* yr = yp + (ri ? ri[i] : i) * out;
+        const float* dr = dp + i * out;
+        for (std::int64_t j = 0; j < out; ++j) yr[j] += dr[j] * s;
+      }
     }
   }
 }
@@ -251,13 +266,8 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
     const auto li = static_cast<std::int64_t>(l);
     cpu::rms_norm(h.data_ptr<float>(), Ly.input_norm.data_ptr<float>(), eps, B, d, x.data_ptr<float>());
     auto q = at::empty({B, qd}, f32), k = at::empty({B, kvd}, f32), v = at::empty({B, kvd}, f32);
-    linear_into(x, {out_of(Ly.q_w, &Ly.q_b, q), out_of(Ly.k_w, &Ly.k_b, k), out_of(Ly.v_w, &Ly.v_b, v)},
-                {{&Ly.q_w, &q}, {&Ly.k_w, &k}, {&Ly.v_w, &v}});
-    if (lora) {
-      lora_into(*lora, x, q, li, LoraModule::kQ);
-      lora_into(*lora, x, k, li, LoraModule::kK);
-      lora_into(*lora, x, v, li, LoraModule::kV);
-    }
+    linear_into(x, {{&Ly.q_w, &Ly.q_b, &q}, {&Ly.k_w, &Ly.k_b, &k}, {&Ly.v_w, &Ly.v_b, &v}});
+    if (lora) lora_into(*lora, x, li, {{&q, LoraModule::kQ}, {&k, LoraModule::kK}, {&v, LoraModule::kV}});
     cpu::rope(q.data_ptr<float>(), B, qd, nh, hd, pos, inv_freq);
     cpu::rope(k.data_ptr<float>(), B, kvd, nkv, hd, pos, inv_freq);
     float* kp = kv.k[l].data_ptr<float>();
@@ -284,23 +294,19 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
       attn.narrow(0, seg.begin, seg.len).copy_(out);
     }
     auto o = at::empty({B, d}, f32);
-    linear_into(attn, {out_of(Ly.o_w, nullptr, o)}, {{&Ly.o_w, &o}});
-    if (lora) lora_into(*lora, attn, o, li, LoraModule::kO);
+    linear_into(attn, {{&Ly.o_w, nullptr, &o}});
+    if (lora) lora_into(*lora, attn, li, {{&o, LoraModule::kO}});
     add_into(h, o);
 
     cpu::rms_norm(h.data_ptr<float>(), Ly.post_norm.data_ptr<float>(), eps, B, d, x.data_ptr<float>());
     auto gate = at::empty({B, I}, f32), up = at::empty({B, I}, f32);
-    linear_into(x, {out_of(Ly.gate_w, nullptr, gate), out_of(Ly.up_w, nullptr, up)},
-                {{&Ly.gate_w, &gate}, {&Ly.up_w, &up}});
-    if (lora) {
-      lora_into(*lora, x, gate, li, LoraModule::kGate);
-      lora_into(*lora, x, up, li, LoraModule::kUp);
-    }
+    linear_into(x, {{&Ly.gate_w, nullptr, &gate}, {&Ly.up_w, nullptr, &up}});
+    if (lora) lora_into(*lora, x, li, {{&gate, LoraModule::kGate}, {&up, LoraModule::kUp}});
     auto act = at::empty({B, I}, f32);
     cpu::silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), B * I, act.data_ptr<float>());
     auto down = at::empty({B, d}, f32);
-    linear_into(act, {out_of(Ly.down_w, nullptr, down)}, {{&Ly.down_w, &down}});
-    if (lora) lora_into(*lora, act, down, li, LoraModule::kDown);
+    linear_into(act, {{&Ly.down_w, nullptr, &down}});
+    if (lora) lora_into(*lora, act, li, {{&down, LoraModule::kDown}});
     add_into(h, down);
   }
   auto out = at::empty({B, d}, f32);
@@ -315,12 +321,7 @@ at::Tensor Qwen2Model::logits(const at::Tensor& hidden) const {
       hidden.size(1) == w.size(1) && !(c10::GradMode::is_enabled() && hidden.requires_grad())) {
     auto x = hidden.contiguous();
     auto y = at::empty({x.size(0), w.size(0)}, at::TensorOptions().dtype(at::kFloat));
-    if (x.size(0) <= kKernelMaxRows) {
-      cpu::LinearOut part{w.data_ptr<float>(), nullptr, w.size(0), y.data_ptr<float>(), w.size(0)};
-      cpu::linear(x.data_ptr<float>(), x.size(0), x.size(1), x.size(1), std::span<const cpu::LinearOut>(&part, 1));
-    } else {
-      blas_linear_into(x, w, nullptr, y);
-    }
+    linear_into(x, {{&w, nullptr, &y}});
     return y;
   }
   return at::linear(hidden, w).to(hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);

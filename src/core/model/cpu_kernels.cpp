@@ -257,8 +257,6 @@ struct Chunk {
 
 }  // namespace
 
-bool have_avx2() { return use_avx2(); }
-
 void parallel_for(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& f) {
   at::parallel_for(0, n, 1, [&](std::int64_t b, std::int64_t e) { f(b, e); });
 }
@@ -366,25 +364,18 @@ void decode_attention(const float* q, const float* k_pool, const float* v_pool, 
                       const std::int64_t* const* slots, const std::int64_t* lens, float* out) {
   const std::int64_t g = nh / nkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const bool avx = use_avx2();
-  auto dot = avx ?
+  float (*dot)(const float*, const float*, std::int64_t) = dot_portable;
+  void (*axpy)(float, const float*, float*, std::int64_t) = axpy_portable;
 #if LS_X86
-                 dot_avx2
-#else
-                 dot_portable
+  if (use_avx2()) {
+    dot = dot_avx2;
+    axpy = axpy_avx2;
+  }
 #endif
-                 : dot_portable;
-  auto axpy = avx ?
-#if LS_X86
-                  axpy_avx2
-#else
-                  axpy_portable
-#endif
-                  : axpy_portable;
   // One task per (sequence, KV head): the keys and values of that head are read once for the g
   // query heads that share them.
   parallel_for(B * nkv, [&](std::int64_t t0, std::int64_t t1) {
-    std::vector<float> scores;
+    std::vector<float> scores, inv(static_cast<std::size_t>(g));
     for (std::int64_t t = t0; t < t1; ++t) {
       const std::int64_t b = t / nkv, h = t % nkv, L = lens[b];
       const std::int64_t* sl = slots[b];
@@ -398,7 +389,6 @@ void decode_attention(const float* q, const float* k_pool, const float* v_pool, 
       }
       float* ob = out + (row * nh + h * g) * hd;
       std::fill(ob, ob + g * hd, 0.0f);
-      std::vector<float> inv(static_cast<std::size_t>(g));
       for (std::int64_t i = 0; i < g; ++i) {
         float* s = scores.data() + i * L;
         float mx = -std::numeric_limits<float>::infinity();

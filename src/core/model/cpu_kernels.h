@@ -18,9 +18,8 @@
 
 namespace lorasync::model::cpu {
 
-// True when the AVX2+FMA kernels run on this CPU (else the portable ones do).
-bool have_avx2();
-// Forces the portable kernels (tests compare both); returns the previous setting.
+// The AVX2+FMA kernels run where the CPU has them, else the portable ones. This forces the
+// portable kernels (tests compare both); returns the previous setting.
 bool set_force_portable(bool on);
 
 // f(begin, end) over contiguous pieces of [0, n) on libtorch's intra-op threads (its OpenMP
