@@ -152,7 +152,7 @@ int run(const BenchForwardOptions& o) {
         if (path != "fast" && path != "reference") throw_invalid("--paths: unknown path '{}' (fast, reference)", path);
         paths.push_back(path);
       }
-      std::stable_sort(paths.begin(), paths.end(), [](const auto& a, const auto& b) { return a == "reference" && b != "reference"; });
+      std::stable_sort(paths.begin(), paths.end(), [](const auto& x, const auto& y) { return x == "reference" && y != "reference"; });
       for (const auto& path : paths) {
         const bool fast = path == "fast";
         const bool prev = model::set_cpu_fast_paths(fast);

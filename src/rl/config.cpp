@@ -310,8 +310,6 @@ void TrainConfig::validate() const {
                   generation.request_mode);
   if (batching.mode != "count")
     throw_invalid("batching.mode = \"{}\" is not supported yet; use \"count\"", batching.mode);
-  if (batching.activation_checkpointing)
-    throw_invalid("batching.activation_checkpointing = true is not supported yet; set it to false");
   if (model.path.empty()) throw_invalid("model.path is required (a local Hugging Face directory)");
   if (data.train_file.empty()) throw_invalid("data.train_file is required (JSONL with problem and answer fields)");
   if (max_steps <= 0) throw_invalid("max_steps must be positive, got {}", max_steps);

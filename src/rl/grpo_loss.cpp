@@ -39,6 +39,34 @@ void LossStats::merge(const LossStats& o) {
 }
 
 at::Tensor grpo_token_losses(const TokenInputs& in, const LossConfig& cfg, LossStats* stats) {
+  at::Tensor values;
+  auto loss = grpo_token_losses_with_stats(in, cfg, stats != nullptr ? &values : nullptr);
+  if (stats != nullptr && values.defined()) stats->merge(loss_stats_from_values(values, in.logp.numel()));
+  return loss;
+}
+
+LossStats loss_stats_from_values(const at::Tensor& values, std::int64_t n_tokens) {
+  auto v = values.to(at::kCPU).to(at::kDouble).contiguous();
+  if (v.numel() != kLossStatValues) throw_invalid("loss statistics hold {} values, expected {}", v.numel(), kLossStatValues);
+  const double* d = v.data_ptr<double>();
+  LossStats s;
+  s.n_tokens = n_tokens;
+  s.ratio_sum = d[0];
+  s.ratio_min = d[1];
+  s.ratio_max = d[2];
+  s.clip_low = d[3];
+  s.clip_high = d[4];
+  s.tis_weight_sum = d[5];
+  s.tis_clipped = d[6];
+  s.kl_sum = d[7];
+  s.mismatch_k3_sum = d[8];
+  s.mismatch_k1_sum = d[9];
+  s.prob_diff_max = d[10];
+  s.prob_diff_min = d[11];
+  return s;
+}
+
+at::Tensor grpo_token_losses_with_stats(const TokenInputs& in, const LossConfig& cfg, at::Tensor* stats_values) {
   const auto& lp = in.logp;
   const auto mu = in.behaviour.to(lp.scalar_type());
   const auto adv = in.advantages.to(lp.scalar_type());
@@ -67,31 +95,28 @@ at::Tensor grpo_token_losses(const TokenInputs& in, const LossConfig& cfg, LossS
     k3 = at::exp(d) - d - 1;
     loss = loss + cfg.beta * k3;
   }
-  if (stats != nullptr && lp.numel() > 0) {
-    at::NoGradGuard ng;
-    auto lpd = lp.detach().to(at::kDouble);
-    auto mud = mu.to(at::kDouble);
-    auto r = at::exp(lpd - mud);
-    auto rhod = rho.detach().to(at::kDouble);
-    auto advd = adv.to(at::kDouble);
-    LossStats s;
-    s.n_tokens = lp.numel();
-    s.ratio_sum = r.sum().item<double>();
-    s.ratio_min = r.min().item<double>();
-    s.ratio_max = r.max().item<double>();
-    s.clip_low = ((rhod < 1.0 - cfg.eps_low) & (advd < 0)).sum().item<double>();
-    s.clip_high = ((rhod > 1.0 + cfg.eps_high) & (advd > 0)).sum().item<double>();
-    s.tis_weight_sum = w.to(at::kDouble).sum().item<double>();
-    s.tis_clipped = cfg.tis_cap > 0 ? (iw.to(at::kDouble) > cfg.tis_cap).sum().item<double>() : 0.0;
-    if (k3.defined()) s.kl_sum = k3.detach().to(at::kDouble).sum().item<double>();
-    auto x = cfg.old_policy == OldPolicy::kRecompute ? old.to(at::kDouble) : lpd;
-    auto dx = x - mud;
-    s.mismatch_k3_sum = (at::exp(dx) - dx - 1).sum().item<double>();
-    s.mismatch_k1_sum = (-dx).sum().item<double>();
-    auto pd = at::exp(x) - at::exp(mud);
-    s.prob_diff_max = pd.max().item<double>();
-    s.prob_diff_min = pd.min().item<double>();
-    stats->merge(s);
+  if (stats_values != nullptr) {
+    *stats_values = at::Tensor();
+    if (lp.numel() > 0) {
+      at::NoGradGuard ng;
+      auto lpd = lp.detach().to(at::kDouble);
+      auto mud = mu.to(at::kDouble);
+      auto r = at::exp(lpd - mud);
+      auto rhod = rho.detach().to(at::kDouble);
+      auto advd = adv.to(at::kDouble);
+      auto x = cfg.old_policy == OldPolicy::kRecompute ? old.to(at::kDouble) : lpd;
+      auto dx = x - mud;
+      auto pd = at::exp(x) - at::exp(mud);
+      auto zero = at::zeros({}, lpd.options());
+      // Order: LossStats' fields after n_tokens (loss_stats_from_values).
+      *stats_values = at::stack({r.sum(), r.min(), r.max(),
+                                 ((rhod < 1.0 - cfg.eps_low) & (advd < 0)).sum().to(at::kDouble),
+                                 ((rhod > 1.0 + cfg.eps_high) & (advd > 0)).sum().to(at::kDouble),
+                                 w.to(at::kDouble).sum(),
+                                 cfg.tis_cap > 0 ? (iw.to(at::kDouble) > cfg.tis_cap).sum().to(at::kDouble) : zero,
+                                 k3.defined() ? k3.detach().to(at::kDouble).sum() : zero,
+                                 (at::exp(dx) - dx - 1).sum(), (-dx).sum(), pd.max(), pd.min()});
+    }
   }
   return loss;
 }

@@ -58,4 +58,10 @@ struct LossStats {
 // Per-token losses L_t (differentiable through inputs.logp); fills `stats` when given.
 at::Tensor grpo_token_losses(const TokenInputs& in, const LossConfig& cfg, LossStats* stats = nullptr);
 
+// The same, with the statistics left on the device as fp64 [kLossStatValues] (undefined for no
+// tokens), so a step reads every row's back at once instead of synchronising per row.
+constexpr std::int64_t kLossStatValues = 12;
+at::Tensor grpo_token_losses_with_stats(const TokenInputs& in, const LossConfig& cfg, at::Tensor* stats_values);
+LossStats loss_stats_from_values(const at::Tensor& values, std::int64_t n_tokens);
+
 }  // namespace lorasync::rl

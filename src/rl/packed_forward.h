@@ -19,8 +19,9 @@ using RowOutput = model::PackedLogprobs;  // logprobs (with grad), entropy, offs
 // adapter may be null (the base model: the KL reference).
 inline RowOutput packed_row_logprobs(const model::Qwen2Model& model, const model::LoraAdapter* adapter,
                                      const std::vector<PackedSample>& samples, double temperature,
-                                     std::int64_t logits_chunk = 2048) {
-  return model::packed_logprobs(model, adapter, samples, temperature, logits_chunk, /*with_entropy=*/true);
+                                     std::int64_t logits_chunk = 2048, bool checkpoint_layers = false) {
+  return model::packed_logprobs(model, adapter, samples, temperature, logits_chunk, /*with_entropy=*/true,
+                                checkpoint_layers);
 }
 
 }  // namespace lorasync::rl

@@ -106,7 +106,10 @@ void Trainer::load_model_and_data() {
   const auto dtype = model::parse_dtype(cfg_.model.dtype, device_, "model.dtype");
   const int threads = cfg_.model.threads > 0 ? static_cast<int>(cfg_.model.threads)
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (device_.is_cpu()) model::set_compute_threads(threads);
+  if (device_.is_cpu()) {
+    model::set_compute_threads(threads);
+    model::use_cpu_block_cache(model::default_cpu_block_cache_bytes());  // activations reused row to row
+  }
   const fs::path mp = cfg_.model.path;
   if (!fs::exists(mp / "config.json")) refuse("model.path " + mp.string() + ": no config.json (expected a local Hugging Face directory)");
   tokenizer_ = tok::Tokenizer::load(mp);

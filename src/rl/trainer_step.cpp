@@ -151,8 +151,9 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
     recompute_s = now_s() - t0;
   }
   // Gradient pass, one row at a time; each row adds its partial sum over the global denominator.
-  LossStats stats;
-  double J = 0, ent_sum = 0;
+  // Per-row figures stay on the device until the step's end: one host read per step, not per row.
+  std::vector<at::Tensor> row_stats, row_loss, row_entropy;
+  std::vector<std::int64_t> row_tokens;
   const double t_fb = now_s();
   for (const auto& row : plan.rows) {
     std::vector<PackedSample> sub;
@@ -163,7 +164,8 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
       adv.insert(adv.end(), members[i]->ids.size(), static_cast<float>(members[i]->advantage));
     }
     const double f0 = now_s();
-    auto out = packed_row_logprobs(*model_, &adapter_, sub, temp, cfg.batching.logits_chunk);
+    auto out = packed_row_logprobs(*model_, &adapter_, sub, temp, cfg.batching.logits_chunk,
+                                   cfg.batching.activation_checkpointing);
     fwd_s += now_s() - f0;
     const auto fdt = out.logprobs.scalar_type();
     TokenInputs in;
@@ -180,14 +182,22 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
       for (auto i : row) parts.push_back(ref_lp[i]);
       in.ref = torch::cat(parts).to(fdt);
     }
-    LossStats rs;
-    at::Tensor L = grpo_token_losses(in, loss_cfg_, &rs);
-    stats.merge(rs);
+    at::Tensor values;
+    at::Tensor L = grpo_token_losses_with_stats(in, loss_cfg_, &values);
+    if (values.defined()) row_stats.push_back(values), row_tokens.push_back(in.logp.numel());
     at::Tensor loss = L.sum() / denom;
-    J += loss.item<double>();
-    if (out.entropy.defined()) ent_sum += out.entropy.sum().item<double>();
+    row_loss.push_back(loss.detach().to(torch::kDouble));
+    if (out.entropy.defined()) row_entropy.push_back(out.entropy.sum().to(torch::kDouble));
     (loss * loss_scale_).backward();
   }
+  LossStats stats;
+  double J = 0, ent_sum = 0;
+  if (!row_stats.empty()) {
+    auto all = torch::stack(row_stats).to(torch::kCPU);
+    for (std::size_t i = 0; i < row_stats.size(); ++i) stats.merge(loss_stats_from_values(all[static_cast<std::int64_t>(i)], row_tokens[i]));
+  }
+  if (!row_loss.empty()) J = torch::stack(row_loss).sum().item<double>();
+  if (!row_entropy.empty()) ent_sum = torch::stack(row_entropy).sum().item<double>();
   const double fwd_bwd_s = now_s() - t_fb;
   // Optimizer: unscale (fp16), clip, AdamW.
   const double o0 = now_s();

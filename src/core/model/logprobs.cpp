@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "core/model/autograd_ops.h"
 #include "util/error.h"
 
 namespace lorasync::model {
@@ -16,7 +17,7 @@ void check_token_ids(const std::vector<std::int64_t>& ids, std::int64_t vocab, c
 
 PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapter,
                                const std::vector<LogprobItem>& items, double temperature,
-                               std::int64_t chunk, bool with_entropy) {
+                               std::int64_t chunk, bool with_entropy, bool checkpoint_layers) {
   if (!(temperature > 0)) throw_invalid("temperature must be positive, got {}", temperature);
   std::vector<std::vector<std::int64_t>> seqs;
   std::vector<std::int64_t> pred_rows, targets;
@@ -47,25 +48,15 @@ PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapt
   }
   auto batch = make_batch(seqs, {}, dev);
   auto lora = LoraBatch::all(adapter);
-  auto hidden = model.forward(batch, &lora);
+  auto hidden = model.forward(batch, &lora, nullptr, nullptr, checkpoint_layers);
   auto lopt = at::TensorOptions().dtype(at::kLong);
   auto rows = at::tensor(pred_rows, lopt).to(dev);
   auto tgt = at::tensor(targets, lopt).to(dev);
-  std::vector<at::Tensor> lps, ents;
-  const auto N = rows.size(0);
-  for (std::int64_t s = 0; s < N; s += chunk) {
-    const auto n = std::min(chunk, N - s);
-    auto z = model.logits(hidden.index_select(0, rows.narrow(0, s, n))) / temperature;  // [n, V]
-    auto logp = at::log_softmax(z, -1);
-    lps.push_back(logp.gather(1, tgt.narrow(0, s, n).unsqueeze(1)).squeeze(1));
-    if (with_entropy) {
-      at::NoGradGuard ng;
-      auto ld = logp.detach();
-      ents.push_back(-(ld.exp() * ld).sum(-1));
-    }
-  }
-  out.logprobs = lps.size() == 1 ? lps[0] : at::cat(lps);
-  if (with_entropy) out.entropy = ents.size() == 1 ? ents[0] : at::cat(ents);
+  const TensorFn head = [&model](const at::Tensor& h) { return model.logits(h); };
+  auto r = lm_head_logprobs(head, model.lm_head_weight(), hidden.index_select(0, rows), tgt, temperature, chunk,
+                            with_entropy);
+  out.logprobs = std::move(r.logprobs);
+  out.entropy = std::move(r.entropy);
   return out;
 }
 

@@ -22,8 +22,10 @@ struct LogprobItem {
 // Completion log-probs of items packed into one flat batch (a training row): segments never
 // attend to each other, positions restart per segment, and the LM head runs only at completion
 // positions, in chunks of `chunk` rows, logits converted to fp32 (fp64 for an fp64 model) before
-// temperature and log-softmax; the full [tokens, vocab] logits are never built. Differentiable
-// through the adapter (callers add a NoGradGuard when they only read).
+// temperature and log-softmax; the full [tokens, vocab] logits are never built, and the backward
+// pass keeps no chunk of them either (lm_head_logprobs, autograd_ops.h). Differentiable through
+// the adapter (callers add a NoGradGuard when they only read). checkpoint_layers: each decoder
+// layer's activations are recomputed in the backward pass instead of kept (one extra forward).
 struct PackedLogprobs {
   at::Tensor logprobs;                // [sum T_i]
   at::Tensor entropy;                 // [sum T_i] entropy of softmax(z / T), no grad; only with_entropy
@@ -31,7 +33,8 @@ struct PackedLogprobs {
 };
 PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapter,
                                const std::vector<LogprobItem>& items, double temperature,
-                               std::int64_t chunk = 2048, bool with_entropy = false);
+                               std::int64_t chunk = 2048, bool with_entropy = false,
+                               bool checkpoint_layers = false);
 
 // packed_logprobs without gradients, as plain numbers per item.
 std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,

@@ -218,6 +218,16 @@ LoraBatch LoraBatch::from_row_slots(const std::vector<const LoraAdapter*>& adapt
   return b;
 }
 
+std::vector<at::Tensor> LoraBatch::parameters(std::int64_t layer) const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parts_)
+    for (auto m : p.adapter->config().targets) {
+      out.push_back(p.adapter->A(layer, m));
+      out.push_back(p.adapter->B(layer, m));
+    }
+  return out;
+}
+
 at::Tensor LoraBatch::apply(const at::Tensor& x, at::Tensor y, std::int64_t layer,
                             LoraModule m) const {
   for (const auto& p : parts_) {

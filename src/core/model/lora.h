@@ -94,6 +94,8 @@ class LoraBatch {
                                   const std::vector<int>& slot_of_row, c10::Device device);
   bool empty() const { return parts_.empty(); }
   const std::vector<LoraRows>& parts() const { return parts_; }
+  // The A and B factors every part's adapter has at `layer` (targeted modules only).
+  std::vector<at::Tensor> parameters(std::int64_t layer) const;
   // y + the LoRA deltas of every adapter that targets `m` at `layer`, for input x [T, in].
   at::Tensor apply(const at::Tensor& x, at::Tensor y, std::int64_t layer, LoraModule m) const;
 

@@ -3,9 +3,12 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 
+#include <atomic>
 #include <chrono>
+#include <memory>
 
 namespace lorasync::model {
 
@@ -64,5 +67,79 @@ double forward_flops(const Qwen2Config& c, double tokens, double context, double
                       lm_head_rows;
   return linear + attn + head;
 }
+
+namespace {
+
+struct MeterCounts {
+  std::atomic<std::int64_t> current{0}, peak{0};
+  void add(std::int64_t n) {
+    const auto now = current.fetch_add(n) + n;
+    auto p = peak.load();
+    while (now > p && !peak.compare_exchange_weak(p, now)) {
+    }
+  }
+};
+
+// One allocation: the inner allocator's pointer (which frees it) and what to subtract.
+struct MeteredBlock {
+  c10::DataPtr inner;
+  std::int64_t bytes;
+  std::shared_ptr<MeterCounts> counts;
+};
+
+void free_metered(void* ctx) {
+  auto* b = static_cast<MeteredBlock*>(ctx);
+  b->counts->current.fetch_sub(b->bytes);
+  delete b;  // frees the memory through the inner DataPtr's deleter
+}
+
+class MeteredAllocator final : public c10::Allocator {
+ public:
+  MeteredAllocator(c10::Allocator* inner, std::shared_ptr<MeterCounts> counts)
+      : inner_(inner), counts_(std::move(counts)) {}
+  c10::DataPtr allocate(std::size_t n) override {
+    c10::DataPtr d = inner_->allocate(n);
+    void* data = d.get();
+    const auto dev = d.device();
+    auto* b = new MeteredBlock{std::move(d), static_cast<std::int64_t>(n), counts_};
+    counts_->add(b->bytes);
+    return {data, b, &free_metered, dev};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner_->copy_data(dest, src, count);
+  }
+  c10::Allocator* inner() const { return inner_; }
+
+ private:
+  c10::Allocator* inner_;
+  std::shared_ptr<MeterCounts> counts_;
+};
+
+constexpr std::uint8_t kMeterPriority = 255;  // the highest: replaces any earlier choice
+
+}  // namespace
+
+struct CpuTensorMeter::Impl {
+  std::shared_ptr<MeterCounts> counts = std::make_shared<MeterCounts>();
+  std::unique_ptr<MeteredAllocator> alloc;
+};
+
+CpuTensorMeter::CpuTensorMeter() : impl_(new Impl) {
+  impl_->alloc = std::make_unique<MeteredAllocator>(c10::GetCPUAllocator(), impl_->counts);
+  c10::SetCPUAllocator(impl_->alloc.get(), kMeterPriority);
+}
+
+CpuTensorMeter::~CpuTensorMeter() {
+  c10::SetCPUAllocator(impl_->alloc->inner(), kMeterPriority);
+  // Blocks still alive keep the counts (shared) and free through the inner allocator's deleter.
+  // Storages keep a pointer to the allocator that made them (a resize allocates through it), so
+  // the small allocator object is left alive on purpose.
+  (void)impl_->alloc.release();
+  delete impl_;
+}
+
+std::int64_t CpuTensorMeter::current_bytes() const { return impl_->counts->current.load(); }
+std::int64_t CpuTensorMeter::peak_bytes() const { return impl_->counts->peak.load(); }
+void CpuTensorMeter::reset_peak() { impl_->counts->peak.store(impl_->counts->current.load()); }
 
 }  // namespace lorasync::model

@@ -28,6 +28,26 @@ double forward_flops(const Qwen2Config& c, double tokens, double context, double
 std::int64_t peak_device_memory(c10::Device device);
 void reset_peak_device_memory(c10::Device device);
 
+// Counts the bytes of the CPU tensors libtorch allocates while it lives: it installs itself as the
+// CPU allocator (over the current one, which does the work) and puts the previous one back on
+// destruction. Tensors allocated before it are not counted; tensors freed after it are safe.
+// For memory-growth tests and benches (measures tensors only: weights in huge pages, libraries and
+// the allocator's own caches are not in it). Thread-safe counters; one meter at a time.
+class CpuTensorMeter {
+ public:
+  CpuTensorMeter();
+  ~CpuTensorMeter();
+  CpuTensorMeter(const CpuTensorMeter&) = delete;
+  CpuTensorMeter& operator=(const CpuTensorMeter&) = delete;
+  std::int64_t current_bytes() const;
+  std::int64_t peak_bytes() const;
+  void reset_peak();  // peak = current
+
+ private:
+  struct Impl;
+  Impl* impl_;
+};
+
 // Synchronises the device (CUDA) so wall-clock timings are real; no-op on CPU.
 void device_synchronize(c10::Device device);
 

@@ -4,10 +4,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 
 #include "core/io/checkpoint_dir.h"
+#include "core/model/autograd_ops.h"
 #include "core/model/device_kernels.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -154,6 +157,44 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out.squeeze(0).transpose(0, 1).reshape({L, nh * hd});  // [L, nh*hd]
 }
 
+namespace {
+std::atomic<bool> g_varlen_attention{true};
+}
+
+bool set_varlen_attention(bool on) { return g_varlen_attention.exchange(on); }
+
+bool varlen_attention_applies(const at::Tensor& q) {
+  const auto dt = q.scalar_type();
+  const auto hd = q.size(-1);
+  return g_varlen_attention.load() && q.is_cuda() && (dt == at::kBFloat16 || dt == at::kHalf) && hd % 8 == 0 &&
+         hd <= 256;
+}
+
+at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<Segment>& segs) {
+  const auto T = q.size(0), nh = q.size(1), hd = q.size(2);
+  if (varlen_attention_applies(q)) {
+    // One flash-attention call over every segment, delimited by cumulative lengths; its
+    // backward is libtorch's (_flash_attention_backward), keeping one logsumexp per query.
+    std::vector<std::int32_t> cu{0};
+    std::int64_t max_len = 0;
+    for (const auto& s : segs) {
+      cu.push_back(cu.back() + static_cast<std::int32_t>(s.len));
+      max_len = std::max(max_len, s.len);
+    }
+    auto cum = at::tensor(cu, at::TensorOptions().dtype(at::kInt)).to(q.device());
+    auto r = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cum, cum, max_len,
+                                          max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false);
+    return std::get<0>(r).reshape({T, nh * hd});
+  }
+  std::vector<at::Tensor> parts;
+  parts.reserve(segs.size());
+  for (const auto& s : segs)
+    parts.push_back(segment_attention(q.narrow(0, s.begin, s.len), k.narrow(0, s.begin, s.len),
+                                      v.narrow(0, s.begin, s.len), 0));
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+}
+
 Qwen2Model::Qwen2Model(Qwen2Config cfg, c10::ScalarType dtype, c10::Device device)
     : cfg_(std::move(cfg)), dtype_(dtype), device_(device) {
   inv_freq_ = rope_inv_freq(cfg_.head_dim, cfg_.rope_theta, device_);
@@ -277,39 +318,50 @@ at::Tensor Qwen2Model::attention(std::int64_t l, const at::Tensor& x, const Batc
       out = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
     }
   } else {
-    std::vector<at::Tensor> parts;
-    parts.reserve(batch.segs.size());
-    for (const auto& s : batch.segs)
-      parts.push_back(segment_attention(q.narrow(0, s.begin, s.len), k.narrow(0, s.begin, s.len),
-                                        v.narrow(0, s.begin, s.len), 0));
-    out = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+    out = packed_attention(q, k, v, batch.segs);
   }
   auto y = at::linear(out, L.o_w);
   return lora ? lora->apply(out, std::move(y), l, LoraModule::kO) : y;
 }
 
+at::Tensor Qwen2Model::decoder_layer(std::int64_t l, const at::Tensor& h_in, const Batch& batch,
+                                     const at::Tensor& cos, const at::Tensor& sin, const LoraBatch* lora,
+                                     KvPool* kv, const AttnMeta* meta) const {
+  const Layer& L = layers_[static_cast<std::size_t>(l)];
+  auto x = rms_norm(h_in, L.input_norm, cfg_.rms_norm_eps);
+  auto h = h_in + attention(l, x, batch, cos, sin, lora, kv, meta);
+  x = rms_norm(h, L.post_norm, cfg_.rms_norm_eps);
+  auto gate = at::linear(x, L.gate_w);
+  auto up = at::linear(x, L.up_w);
+  if (lora) {
+    gate = lora->apply(x, std::move(gate), l, LoraModule::kGate);
+    up = lora->apply(x, std::move(up), l, LoraModule::kUp);
+  }
+  auto act = at::silu(gate) * up;
+  auto down = at::linear(act, L.down_w);
+  if (lora) down = lora->apply(act, std::move(down), l, LoraModule::kDown);
+  return h + down;
+}
+
 at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool* kv,
-                               const AttnMeta* meta) const {
+                               const AttnMeta* meta, bool checkpoint_layers) const {
   LS_CHECK((kv == nullptr) == (meta == nullptr), "kv and meta go together");
+  if (checkpoint_layers && kv != nullptr) throw_invalid("activation checkpointing applies to forwards without a KV cache");
   if (lora != nullptr && lora->empty()) lora = nullptr;
   if (cpu_decode_applies(batch, kv, meta)) return forward_cpu_decode(batch, lora, *kv, *meta);
   auto [cos, sin] = rope_cos_sin(batch.positions, inv_freq_);
   auto h = at::embedding(embed_, batch.tokens);  // [T, d]
   for (std::int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
-    const Layer& L = layers_[static_cast<std::size_t>(l)];
-    auto x = rms_norm(h, L.input_norm, cfg_.rms_norm_eps);
-    h = h + attention(l, x, batch, cos, sin, lora, kv, meta);
-    x = rms_norm(h, L.post_norm, cfg_.rms_norm_eps);
-    auto gate = at::linear(x, L.gate_w);
-    auto up = at::linear(x, L.up_w);
-    if (lora) {
-      gate = lora->apply(x, std::move(gate), l, LoraModule::kGate);
-      up = lora->apply(x, std::move(up), l, LoraModule::kUp);
+    if (!checkpoint_layers) {
+      h = decoder_layer(l, h, batch, cos, sin, lora, kv, meta);
+      continue;
     }
-    auto act = at::silu(gate) * up;
-    auto down = at::linear(act, L.down_w);
-    if (lora) down = lora->apply(act, std::move(down), l, LoraModule::kDown);
-    h = h + down;
+    // The body owns copies of what it reads: it runs again in the backward pass.
+    auto lb = std::make_shared<const LoraBatch>(lora ? *lora : LoraBatch());
+    auto body = [this, l, batch, cos = cos, sin = sin, lb](const at::Tensor& x) {
+      return decoder_layer(l, x, batch, cos, sin, lb->empty() ? nullptr : lb.get(), nullptr, nullptr);
+    };
+    h = checkpoint(std::move(body), h, lb->parameters(l));
   }
   return rms_norm(h, final_norm_, cfg_.rms_norm_eps);
 }

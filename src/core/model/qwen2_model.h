@@ -77,8 +77,11 @@ class Qwen2Model {
 
   // Final-normed hidden states [T, d] of every new token.
   // kv/meta: both null (no cache: each segment attends to its own new tokens only) or both set.
+  // checkpoint_layers (no cache only): each decoder layer keeps only its input for the backward
+  // pass and recomputes its activations there (autograd_ops.h checkpoint); same values and
+  // gradients, one extra forward, memory of one layer's activations instead of all of them.
   at::Tensor forward(const Batch& batch, const LoraBatch* lora = nullptr, KvPool* kv = nullptr,
-                     const AttnMeta* meta = nullptr) const;
+                     const AttnMeta* meta = nullptr, bool checkpoint_layers = false) const;
   // LM head: hidden [N, d] -> fp32 logits [N, vocab].
   at::Tensor logits(const at::Tensor& hidden) const;
   // The LM head weight [vocab, d] (the embedding when tied).
@@ -96,6 +99,9 @@ class Qwen2Model {
   at::Tensor attention(std::int64_t l, const at::Tensor& x, const Batch& batch,
                        const at::Tensor& cos, const at::Tensor& sin, const LoraBatch* lora,
                        KvPool* kv, const AttnMeta* meta) const;
+  // One decoder layer: h + attention, then + MLP.
+  at::Tensor decoder_layer(std::int64_t l, const at::Tensor& h, const Batch& batch, const at::Tensor& cos,
+                           const at::Tensor& sin, const LoraBatch* lora, KvPool* kv, const AttnMeta* meta) const;
   at::Tensor& module_weight(std::int64_t layer, LoraModule m);
   // Small steps on our CPU kernels (cpu_decode.cpp; set_cpu_fast_paths).
   bool cpu_decode_applies(const Batch& batch, const KvPool* kv, const AttnMeta* meta) const;
@@ -142,6 +148,15 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              std::int64_t past);
 at::Tensor segment_attention_reference(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, std::int64_t past);
+// Causal attention of a packed row without a cache: q [T, nh, hd], k/v [T, nkv, hd], each segment
+// attending to itself only. On CUDA in bf16/fp16 (head_dim a multiple of 8, at most 256) one
+// varlen flash-attention call with cumulative sequence lengths; elsewhere segment_attention per
+// segment. Both keep a logsumexp per query for the backward pass, never the scores.
+// set_varlen_attention(false) forces the per-segment path (tests compare the two); process-wide,
+// returns the previous setting.
+at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<Segment>& segs);
+bool set_varlen_attention(bool on);
 
 // Random weights with Hugging Face names, N(0, std) for matrices, biases and norm weights
 // perturbed around their defaults, generated on CPU from `seed` and stored in `dtype`.

@@ -2,8 +2,16 @@
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstring>
+#include <mutex>
 #include <thread>
+#include <unordered_map>
+#include <vector>
 
 #include "util/error.h"
 
@@ -47,5 +55,118 @@ void set_compute_threads(int n) {
 }
 
 int compute_threads() { return at::get_num_threads(); }
+
+namespace {
+
+constexpr std::size_t kBlockMin = std::size_t{1} << 20;
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
+class BlockCache final : public c10::Allocator {
+ public:
+  explicit BlockCache(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(std::size_t n) override {
+    if (n < kBlockMin) return inner_->allocate(n);
+    const std::size_t size = (n + kHugePage - 1) / kHugePage * kHugePage;
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        cached_ -= size;
+      }
+    }
+    if (p == nullptr) p = map(size);
+    return {p, new Block{this, p, size}, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+
+  void set_cap(std::size_t cap) {
+    std::vector<std::pair<void*, std::size_t>> drop;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      cap_ = cap;
+      for (auto& [size, list] : free_)
+        while (cached_ > cap_ && !list.empty()) {
+          drop.emplace_back(list.back(), size);
+          list.pop_back();
+          cached_ -= size;
+        }
+    }
+    for (auto [p, size] : drop) ::munmap(p, size);
+  }
+
+  std::size_t cached() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return cached_;
+  }
+
+ private:
+  struct Block {
+    BlockCache* owner;
+    void* p;
+    std::size_t size;
+  };
+
+  static void* map(std::size_t size) {
+    // 2 MiB-aligned: map one huge page more and trim both ends.
+    void* raw = ::mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU block cache: cannot map ", size, " bytes");
+    const auto r = reinterpret_cast<std::uintptr_t>(raw);
+    const auto base = (r + kHugePage - 1) / kHugePage * kHugePage;
+    if (base > r) ::munmap(raw, base - r);
+    const auto end = r + size + kHugePage;
+    if (end > base + size) ::munmap(reinterpret_cast<void*>(base + size), end - (base + size));
+    (void)::madvise(reinterpret_cast<void*>(base), size, MADV_HUGEPAGE);  // advice only
+    return reinterpret_cast<void*>(base);
+  }
+
+  static void release(void* ctx) {
+    auto* b = static_cast<Block*>(ctx);
+    b->owner->give_back(b->p, b->size);
+    delete b;
+  }
+
+  void give_back(void* p, std::size_t size) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (cached_ + size <= cap_) {
+        free_[size].push_back(p);
+        cached_ += size;
+        return;
+      }
+    }
+    ::munmap(p, size);
+  }
+
+  c10::Allocator* inner_;
+  std::mutex mu_;
+  std::unordered_map<std::size_t, std::vector<void*>> free_;  // by size, most recent last
+  std::size_t cached_ = 0, cap_ = 0;
+};
+
+std::mutex g_cache_mu;
+BlockCache* g_cache = nullptr;  // installed once, never freed (storages keep their allocator)
+
+}  // namespace
+
+std::size_t default_cpu_block_cache_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return std::size_t{1} << 30;
+  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4;
+}
+
+std::size_t use_cpu_block_cache(std::size_t max_cached_bytes) {
+  std::lock_guard<std::mutex> lk(g_cache_mu);
+  if (g_cache == nullptr) {
+    g_cache = new BlockCache(c10::GetCPUAllocator());
+    c10::SetCPUAllocator(g_cache, /*priority=*/255);  // the highest: over any earlier choice
+  }
+  g_cache->set_cap(max_cached_bytes);
+  return g_cache->cached();
+}
 
 }  // namespace lorasync::model
