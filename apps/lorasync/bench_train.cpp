@@ -84,11 +84,16 @@ nlohmann::json run_baseline(const BenchTrainOptions& o, const fs::path& dir) {
   const std::string script = std::string(LORASYNC_SOURCE_DIR) + "/bench/train_baseline.py";
   // The same glibc malloc tuning as ours (util/process.cpp), so that the comparison measures the
   // step's implementation, not the allocator settings.
+  auto quote = [](const std::string& v) {  // single-quoted for the shell, quotes inside escaped
+    std::string q = "'";
+    for (char ch : v) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+    return q + "'";
+  };
   const std::string cmd = fmt::format(
       "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864 "
-      "'{}' '{}' --model '{}' --rows '{}' --rank {} --alpha {} --steps {} --threads {} --logits-chunk {} 2>&1",
-      o.python, script, (dir / "model").string(), (dir / "rows.json").string(), o.rank, 2.0 * static_cast<double>(o.rank),
-      o.steps, model::compute_threads(), o.logits_chunk);
+      "{} {} --model {} --rows {} --rank {} --alpha {} --steps {} --threads {} --logits-chunk {} 2>&1",
+      quote(o.python), quote(script), quote((dir / "model").string()), quote((dir / "rows.json").string()), o.rank,
+      2.0 * static_cast<double>(o.rank), o.steps, model::compute_threads(), o.logits_chunk);
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) throw lorasync::Error(ErrorKind::kInternal, "cannot start " + o.python);
   std::string text;
@@ -105,6 +110,8 @@ nlohmann::json run_baseline(const BenchTrainOptions& o, const fs::path& dir) {
 int run(const BenchTrainOptions& o) {
   if (o.steps < 0) throw_invalid("--steps must be >= 0 (0 = one untimed step, memory figures only), got {}", o.steps);
   if (o.steps == 0 && o.baseline != "none") throw_invalid("--baseline needs timed steps (--steps >= 1)");
+  if (o.baseline != "none" && (o.device != "cpu" || (o.dtype != "auto" && model::parse_dtype(o.dtype, at::kCPU, "--dtype") != at::kFloat)))
+    throw_invalid("--baseline pytorch runs on the CPU in float32: use --device cpu and --dtype auto or float32");
   model::set_compute_threads(o.threads);
   const auto device = model::parse_device(o.device);
   const auto dtype = model::parse_dtype(o.dtype, device, "--dtype");
@@ -206,6 +213,7 @@ int run(const BenchTrainOptions& o) {
     m.reset();  // the baseline loads its own copy of the weights: give the memory back first
     adapter = model::LoraAdapter();
     opt = rl::AdamW({}, {});
+    model::use_cpu_block_cache(0);
     malloc_trim(0);
     LS_LOG_INFO("bench", "train: running the PyTorch baseline ({})", o.python);
     auto b = run_baseline(o, base_dir->path());

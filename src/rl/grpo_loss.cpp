@@ -49,20 +49,15 @@ LossStats loss_stats_from_values(const at::Tensor& values, std::int64_t n_tokens
   auto v = values.to(at::kCPU).to(at::kDouble).contiguous();
   if (v.numel() != kLossStatValues) throw_invalid("loss statistics hold {} values, expected {}", v.numel(), kLossStatValues);
   const double* d = v.data_ptr<double>();
+  // The order of grpo_token_losses_with_stats' values.
+  static constexpr double LossStats::*kFields[kLossStatValues] = {
+      &LossStats::ratio_sum,      &LossStats::ratio_min,       &LossStats::ratio_max,
+      &LossStats::clip_low,       &LossStats::clip_high,       &LossStats::tis_weight_sum,
+      &LossStats::tis_clipped,    &LossStats::kl_sum,          &LossStats::mismatch_k3_sum,
+      &LossStats::mismatch_k1_sum, &LossStats::prob_diff_max,  &LossStats::prob_diff_min};
   LossStats s;
   s.n_tokens = n_tokens;
-  s.ratio_sum = d[0];
-  s.ratio_min = d[1];
-  s.ratio_max = d[2];
-  s.clip_low = d[3];
-  s.clip_high = d[4];
-  s.tis_weight_sum = d[5];
-  s.tis_clipped = d[6];
-  s.kl_sum = d[7];
-  s.mismatch_k3_sum = d[8];
-  s.mismatch_k1_sum = d[9];
-  s.prob_diff_max = d[10];
-  s.prob_diff_min = d[11];
+  for (std::int64_t i = 0; i < kLossStatValues; ++i) s.*kFields[i] = d[i];
   return s;
 }
 

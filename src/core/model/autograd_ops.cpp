@@ -83,11 +83,12 @@ void head_chunks(const HeadArgs& a, const at::Tensor& hidden, const at::Tensor& 
     at::Tensor p = z.exp();
     if (a.with_entropy) ent.narrow(0, s, n).copy_(at::bmm(p.unsqueeze(1), z.unsqueeze(2)).view({n}).neg());
     if (jac != nullptr) {
-      // d logp[t] / d h = (W[t] - sum_v p_v W_v) / T
+      // d logp[t] / d h = (onehot(t) - p) W / T. The difference is taken in the accumulation
+      // dtype before any cast to W's: in bf16, W[t] - bf16(p W) would cancel to rounding noise
+      // for the confident tokens that dominate RL samples.
+      p.neg_().scatter_add_(1, t.unsqueeze(1), at::ones({n, 1}, p.options()));
       const auto& W = a.weight;
-      auto expect = at::matmul(p.to(W.scalar_type()), W).to(acc);
-      auto row = W.index_select(0, t).to(acc);
-      jac->narrow(0, s, n).copy_(row.sub_(expect).mul_(inv_t));
+      jac->narrow(0, s, n).copy_(at::matmul(p.to(W.scalar_type()), W).to(acc).mul_(inv_t));
     }
   }
 }
@@ -112,6 +113,27 @@ struct HeadFn : torch::autograd::Function<HeadFn> {
   }
 };
 
+HeadLogprobs plain_autograd_head(const TensorFn& logits, const at::Tensor& hidden, const at::Tensor& targets,
+                                 double temperature, std::int64_t chunk, bool with_entropy) {
+  std::vector<at::Tensor> lps, ents;
+  const auto N = hidden.size(0);
+  for (std::int64_t s = 0; s < N; s += chunk) {
+    const auto n = std::min(chunk, N - s);
+    auto logp = at::log_softmax(logits(hidden.narrow(0, s, n)) / temperature, -1);
+    lps.push_back(logp.gather(1, targets.narrow(0, s, n).unsqueeze(1)).squeeze(1));
+    if (with_entropy) {
+      at::NoGradGuard ng;
+      auto ld = logp.detach();
+      ents.push_back(-(ld.exp() * ld).sum(-1));
+    }
+  }
+  const auto acc = hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  HeadLogprobs out;
+  out.logprobs = lps.empty() ? at::zeros({0}, hidden.options().dtype(acc)) : at::cat(lps);
+  if (with_entropy) out.entropy = ents.empty() ? at::zeros({0}, hidden.options().dtype(acc)) : at::cat(ents);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor checkpoint(TensorFn body, const at::Tensor& h, const std::vector<at::Tensor>& params) {
@@ -129,6 +151,11 @@ HeadLogprobs lm_head_logprobs(const TensorFn& logits, const at::Tensor& weight, 
                               bool with_entropy) {
   HeadArgs a{&logits, weight, temperature, std::max<std::int64_t>(1, chunk), with_entropy};
   HeadLogprobs out;
+  if (c10::GradMode::is_enabled() && weight.requires_grad()) {
+    // The head itself is trained (full fine-tuning): plain autograd, which also differentiates W
+    // (the custom step gives hidden's gradient only) and keeps each chunk for the backward pass.
+    return plain_autograd_head(logits, hidden, targets, temperature, a.chunk, with_entropy);
+  }
   if (c10::GradMode::is_enabled() && hidden.requires_grad()) {
     auto r = HeadFn::apply(hidden, targets, &a);
     out.logprobs = r[0];

@@ -34,7 +34,9 @@ struct HeadLogprobs {
   at::Tensor entropy;   // [N] entropy of softmax(z / T), no gradient; only with_entropy
 };
 // logits(rows) must return the fp32 (fp64) logits rows W^T of hidden rows [n, d]; weight is W
-// [vocab, d]. targets: int64 [N] token ids, already checked against the vocabulary.
+// [vocab, d]. targets: int64 [N] token ids, already checked against the vocabulary. When W itself
+// requires a gradient (full fine-tuning), plain autograd through log_softmax is used instead, so
+// W is differentiated too.
 HeadLogprobs lm_head_logprobs(const TensorFn& logits, const at::Tensor& weight, const at::Tensor& hidden,
                               const at::Tensor& targets, double temperature, std::int64_t chunk,
                               bool with_entropy);

@@ -220,11 +220,13 @@ LoraBatch LoraBatch::from_row_slots(const std::vector<const LoraAdapter*>& adapt
 
 std::vector<at::Tensor> LoraBatch::parameters(std::int64_t layer) const {
   std::vector<at::Tensor> out;
+  std::set<const LoraAdapter*> seen;  // an adapter in two parts is still one set of leaves
   for (const auto& p : parts_)
-    for (auto m : p.adapter->config().targets) {
-      out.push_back(p.adapter->A(layer, m));
-      out.push_back(p.adapter->B(layer, m));
-    }
+    if (seen.insert(p.adapter).second)
+      for (auto m : p.adapter->config().targets) {
+        out.push_back(p.adapter->A(layer, m));
+        out.push_back(p.adapter->B(layer, m));
+      }
   return out;
 }
 

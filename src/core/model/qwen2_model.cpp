@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "core/io/checkpoint_dir.h"
 #include "core/model/autograd_ops.h"
@@ -74,9 +75,19 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
   return weight * x32.to(x.scalar_type());
 }
 
+namespace {
+// Set while a checkpointed layer runs (forward and recompute): both must take the same RMSNorm
+// path, so the backward pass differentiates exactly the values the forward pass produced.
+thread_local bool t_reference_norm = false;
+struct ReferenceNormGuard {
+  bool prev = std::exchange(t_reference_norm, true);
+  ~ReferenceNormGuard() { t_reference_norm = prev; }
+};
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   // Our fused kernel on CUDA when no gradient flows through the call (it has no backward).
-  if (x.is_cuda() && have_cuda_kernels() && x.scalar_type() == weight.scalar_type() &&
+  if (!t_reference_norm && x.is_cuda() && have_cuda_kernels() && x.scalar_type() == weight.scalar_type() &&
       x.scalar_type() != at::kDouble &&
       !(c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())))
     return cuda::rms_norm(x, weight, eps);
@@ -183,9 +194,16 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
       max_len = std::max(max_len, s.len);
     }
     auto cum = at::tensor(cu, at::TensorOptions().dtype(at::kInt)).to(q.device());
-    auto r = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cum, cum, max_len,
-                                          max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false);
-    return std::get<0>(r).reshape({T, nh * hd});
+    try {
+      auto r = at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cum, cum, max_len,
+                                            max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false);
+      return std::get<0>(r).reshape({T, nh * hd});
+    } catch (const c10::Error& e) {
+      // A GPU older than sm80, or a libtorch built without flash attention: per segment from now on.
+      if (g_varlen_attention.exchange(false))
+        LS_LOG_WARN("model", "varlen flash attention unavailable ({}); packed rows attend per segment",
+                    e.what_without_backtrace());
+    }
   }
   std::vector<at::Tensor> parts;
   parts.reserve(segs.size());
@@ -359,6 +377,7 @@ at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool
     // The body owns copies of what it reads: it runs again in the backward pass.
     auto lb = std::make_shared<const LoraBatch>(lora ? *lora : LoraBatch());
     auto body = [this, l, batch, cos = cos, sin = sin, lb](const at::Tensor& x) {
+      ReferenceNormGuard same_path;
       return decoder_layer(l, x, batch, cos, sin, lb->empty() ? nullptr : lb.get(), nullptr, nullptr);
     };
     h = checkpoint(std::move(body), h, lb->parameters(l));

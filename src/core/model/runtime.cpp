@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -131,15 +132,24 @@ class BlockCache final : public c10::Allocator {
   }
 
   void give_back(void* p, std::size_t size) {
+    std::vector<std::pair<void*, std::size_t>> drop;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (cached_ + size <= cap_) {
+      if (size > cap_) {
+        drop.emplace_back(p, size);
+      } else {
+        // The newest block stays: sizes the program no longer asks for make room for it.
+        for (auto it = free_.begin(); cached_ + size > cap_ && it != free_.end(); ++it)
+          while (cached_ + size > cap_ && !it->second.empty()) {
+            drop.emplace_back(it->second.front(), it->first);
+            it->second.erase(it->second.begin());
+            cached_ -= it->first;
+          }
         free_[size].push_back(p);
         cached_ += size;
-        return;
       }
     }
-    ::munmap(p, size);
+    for (auto [q, n] : drop) ::munmap(q, n);
   }
 
   c10::Allocator* inner_;
@@ -155,8 +165,15 @@ BlockCache* g_cache = nullptr;  // installed once, never freed (storages keep th
 
 std::size_t default_cpu_block_cache_bytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return std::size_t{1} << 30;
-  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4;
+  std::size_t mem = pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
+                                          : std::size_t{4} << 30;
+  // A container's memory limit (cgroup v2, then v1) when it is below the machine's memory.
+  for (const char* f : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(f);
+    unsigned long long limit = 0;
+    if (in >> limit && limit > 0 && limit < mem) mem = static_cast<std::size_t>(limit);
+  }
+  return mem / 4;
 }
 
 std::size_t use_cpu_block_cache(std::size_t max_cached_bytes) {

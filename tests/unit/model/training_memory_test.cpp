@@ -53,6 +53,42 @@ TEST(LmHeadLogprobs, ValuesEntropyAndGradientEqualAutogradThroughLogSoftmax) {
   }
 }
 
+TEST(LmHeadLogprobs, TrainedHeadWeightGetsItsGradientToo) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(12);
+  auto W0 = at::randn({40, 6}, gen, f64());
+  auto h0 = at::randn({9, 6}, gen, f64());
+  auto targets = at::randint(0, 40, {9}, gen, at::TensorOptions().dtype(at::kLong));
+  auto W_ref = W0.clone().requires_grad_(true), h_ref = h0.clone().requires_grad_(true);
+  at::log_softmax(at::linear(h_ref, W_ref) / 1.3, -1).gather(1, targets.unsqueeze(1)).sum().backward();
+  auto W = W0.clone().requires_grad_(true), h = h0.clone().requires_grad_(true);
+  const TensorFn head = [&](const at::Tensor& x) { return at::linear(x, W); };
+  lm_head_logprobs(head, W, h, targets, 1.3, 4, false).logprobs.sum().backward();
+  ASSERT_TRUE(W.grad().defined());  // full fine-tuning (the demo's SFT) trains the head
+  EXPECT_TRUE(at::allclose(W.grad(), W_ref.grad(), 0, 1e-12));
+  EXPECT_TRUE(at::allclose(h.grad(), h_ref.grad(), 0, 1e-12));
+}
+
+TEST(LmHeadLogprobs, Bf16GradientOfConfidentTokensIsNotRoundingNoise) {
+  // Tokens the model is sure of (p ~ 0.99), as most sampled RL tokens are: the gradient
+  // (onehot - p) W is small, and forming it as W[t] - bf16(p W) would cancel to noise.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
+  const std::int64_t N = 8, d = 64, V = 512;
+  auto W = at::randn({V, d}, gen, f64()).to(at::kBFloat16);
+  auto targets = at::randint(0, V, {N}, gen, at::TensorOptions().dtype(at::kLong));
+  auto h = (W.index_select(0, targets).to(at::kDouble) * 0.3).to(at::kBFloat16).requires_grad_(true);
+  const TensorFn head = [&](const at::Tensor& x) { return at::linear(x, W).to(at::kFloat); };
+  auto out = lm_head_logprobs(head, W, h, targets, 1.0, 4, false);
+  out.logprobs.sum().backward();
+  // Reference in fp64 from the same bf16 numbers.
+  auto W64 = W.to(at::kDouble), h64 = h.detach().to(at::kDouble);
+  auto p = at::softmax(at::linear(h64, W64), -1);
+  EXPECT_GT(p.gather(1, targets.unsqueeze(1)).min().item<double>(), 0.9);
+  auto want = (at::one_hot(targets, V).to(at::kDouble) - p).matmul(W64);
+  auto got = h.grad().to(at::kDouble);
+  const double rel = (got - want).abs().max().item<double>() / want.abs().max().item<double>();
+  EXPECT_LT(rel, 0.08) << "relative error of the bf16 gradient";  // the naive W[t] - bf16(p W) gave ~0.15 on this construction
+}
+
 Qwen2Config small_cfg() {
   auto c = Qwen2Config::preset("tiny");
   c.vocab_size = 256;
