@@ -1,17 +1,156 @@
 // `lorasync train`: the asynchronous GRPO trainer (trainer.md). Signals: the first SIGTERM/SIGINT
 // asks for a checkpoint and exit 143; a second one exits at once.
+// --nproc-per-node N starts N data-parallel ranks of this command (docs/trainer.md "Data-parallel ranks") with the
+// standard launcher variables, rank 0's store on a port chosen here (its listening socket is
+// handed to rank 0, so no other process can take it), and supervises them: the first stop
+// signal goes to rank 0 (which checkpoints and stops the others), a second to every rank, a
+// third kills them; a rank that dies is reported by rank and signal; the exit code is rank 0's
+// (or the first failing rank's).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "commands.h"
 #include "rl/trainer.h"
+#include "util/error.h"
 
 namespace lorasync::cli {
 
 namespace {
+
+// This process's arguments without --nproc-per-node (read back from /proc/self/cmdline).
+std::vector<std::string> own_args_without_nproc() {
+  std::ifstream f("/proc/self/cmdline", std::ios::binary);
+  const std::string all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  for (std::size_t at = 0; at < all.size();) {
+    const std::size_t end = all.find('\0', at);
+    args.push_back(all.substr(at, end == std::string::npos ? std::string::npos : end - at));
+    at = end == std::string::npos ? all.size() : end + 1;
+  }
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--nproc-per-node") {
+      ++i;
+      continue;
+    }
+    if (args[i].rfind("--nproc-per-node=", 0) == 0) continue;
+    out.push_back(args[i]);
+  }
+  return out;
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+  return "stopped";
+}
+
+int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0); }
+
+int launch_ranks(int nproc) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(ErrorKind::kEnvironment, std::string("socket: ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 512) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw Error(ErrorKind::kEnvironment, std::string("cannot open the ranks' store port on 127.0.0.1: ") + std::strerror(errno));
+  const int port = ntohs(addr.sin_port);
+  const std::vector<std::string> args = own_args_without_nproc();
+  sigset_t set, none;
+  sigemptyset(&set);
+  sigemptyset(&none);
+  for (int sig : {SIGTERM, SIGINT, SIGCHLD}) sigaddset(&set, sig);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::map<pid_t, int> rank_of;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < nproc; ++r) {
+    const pid_t pid = ::fork();
+    if (pid < 0) throw Error(ErrorKind::kEnvironment, std::string("fork: ") + std::strerror(errno));
+    if (pid == 0) {
+      ::setpgid(0, 0);  // a terminal's Ctrl-C reaches the launcher only, which forwards it
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a launcher that dies stops its ranks (rank 0 checkpoints)
+      if (::getppid() == 1) std::_Exit(143);
+      pthread_sigmask(SIG_SETMASK, &none, nullptr);
+      if (r == 0) {
+        ::fcntl(fd, F_SETFD, 0);  // rank 0 hosts the store on the socket bound here
+        ::setenv("LORASYNC_STORE_LISTEN_FD", std::to_string(fd).c_str(), 1);
+      }
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+      std::vector<char*> argv;
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv("/proc/self/exe", argv.data());
+      std::fprintf(stderr, "lorasync train: cannot start rank %d: %s\n", r, std::strerror(errno));
+      std::_Exit(127);
+    }
+    rank_of[pid] = r;
+    pids.push_back(pid);
+  }
+  ::close(fd);
+  std::fprintf(stderr, "lorasync train: started %d data-parallel ranks (store 127.0.0.1:%d)\n", nproc, port);
+  std::map<int, int> status;  // rank -> wait status
+  int signals = 0;
+  auto rank0_exit = std::chrono::steady_clock::time_point::max();
+  while (status.size() < pids.size()) {
+    const timespec tick{0, 200'000'000};
+    const int sig = sigtimedwait(&set, nullptr, &tick);
+    if (sig == SIGTERM || sig == SIGINT) {
+      ++signals;
+      std::fprintf(stderr, "\nlorasync train: signal %d: %s\n", sig,
+                   signals == 1 ? "rank 0 checkpoints and stops the run (again to stop every rank at once)"
+                                : signals == 2 ? "stopping every rank (again to kill them)" : "killing every rank");
+      for (pid_t p : pids)
+        if (!status.count(rank_of[p]) && (signals > 1 || rank_of[p] == 0)) ::kill(p, signals >= 3 ? SIGKILL : SIGTERM);
+    }
+    for (;;) {
+      int st = 0;
+      const pid_t p = ::waitpid(-1, &st, WNOHANG);
+      if (p <= 0) break;
+      if (!rank_of.count(p)) continue;
+      const int r = rank_of[p];
+      status[r] = st;
+      if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+        std::fprintf(stderr, "lorasync train: rank %d (pid %d) %s\n", r, static_cast<int>(p), describe_status(st).c_str());
+      if (r == 0) rank0_exit = std::chrono::steady_clock::now();
+    }
+    // After rank 0, the others have a minute to hear the end of the run and leave.
+    if (status.size() < pids.size() && std::chrono::steady_clock::now() - rank0_exit > std::chrono::seconds(60)) {
+      for (pid_t p : pids)
+        if (!status.count(rank_of[p])) ::kill(p, SIGKILL);
+      rank0_exit = std::chrono::steady_clock::time_point::max();
+    }
+  }
+  if (exit_code_of(status[0]) != 0) return exit_code_of(status[0]);
+  for (const auto& [r, st] : status)
+    if (exit_code_of(st) != 0) return exit_code_of(st);
+  return 0;
+}
 
 int run(rl::TrainArgs a) {
   if (a.api_key.empty())
@@ -46,8 +185,18 @@ void register_train(CLI::App& root, Registry& reg) {
   sub->add_flag("--overwrite", a->overwrite, "start over in an output_dir that holds checkpoints or adapters");
   sub->add_flag("--dry-run", a->dry_run, "check the configuration, data and server capabilities, then exit");
   sub->add_option("--api-key", a->api_key, "bearer token for the server or proxy (default: $LORASYNC_API_KEY)");
-  reg.add(sub, [a, resume]() {
+  auto nproc = std::make_shared<int>(1);
+  sub->add_option("--nproc-per-node", *nproc,
+                  "start N data-parallel ranks on this machine (Gloo; each takes a share of every step's rows); "
+                  "other launchers set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT instead")
+      ->check(CLI::Range(1, 256));
+  reg.add(sub, [a, resume, nproc]() {
     a->resume = resume->count() > 0;
+    if (*nproc > 1) {
+      if (std::getenv("WORLD_SIZE") && std::string(std::getenv("WORLD_SIZE")) != "1")
+        throw Error(ErrorKind::kInvalidInput, "--nproc-per-node with WORLD_SIZE already set: use one launcher, not two");
+      return launch_ranks(*nproc);
+    }
     return run(*a);
   });
 }

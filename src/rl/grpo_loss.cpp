@@ -22,6 +22,30 @@ LossAgg parse_loss_agg(const std::string& name) {
   throw_invalid("grpo.loss_agg must be \"token_mean\" or \"seq_sum_const\", got \"{}\"", name);
 }
 
+namespace {
+
+// The order of grpo_token_losses_with_stats' values (and of to_values / from_values after n_tokens).
+constexpr double LossStats::*kFields[kLossStatValues] = {
+    &LossStats::ratio_sum,      &LossStats::ratio_min,       &LossStats::ratio_max,
+    &LossStats::clip_low,       &LossStats::clip_high,       &LossStats::tis_weight_sum,
+    &LossStats::tis_clipped,    &LossStats::kl_sum,          &LossStats::mismatch_k3_sum,
+    &LossStats::mismatch_k1_sum, &LossStats::prob_diff_max,  &LossStats::prob_diff_min};
+static_assert(LossStats::kNumValues == 1 + kLossStatValues);
+
+}  // namespace
+
+void LossStats::to_values(std::vector<double>& out) const {
+  out.push_back(static_cast<double>(n_tokens));
+  for (auto f : kFields) out.push_back(this->*f);
+}
+
+LossStats LossStats::from_values(const double* v) {
+  LossStats s;
+  s.n_tokens = static_cast<std::int64_t>(v[0]);
+  for (std::int64_t i = 0; i < kLossStatValues; ++i) s.*kFields[i] = v[i + 1];
+  return s;
+}
+
 void LossStats::merge(const LossStats& o) {
   n_tokens += o.n_tokens;
   ratio_sum += o.ratio_sum;
@@ -49,12 +73,6 @@ LossStats loss_stats_from_values(const at::Tensor& values, std::int64_t n_tokens
   auto v = values.to(at::kCPU).to(at::kDouble).contiguous();
   if (v.numel() != kLossStatValues) throw_invalid("loss statistics hold {} values, expected {}", v.numel(), kLossStatValues);
   const double* d = v.data_ptr<double>();
-  // The order of grpo_token_losses_with_stats' values.
-  static constexpr double LossStats::*kFields[kLossStatValues] = {
-      &LossStats::ratio_sum,      &LossStats::ratio_min,       &LossStats::ratio_max,
-      &LossStats::clip_low,       &LossStats::clip_high,       &LossStats::tis_weight_sum,
-      &LossStats::tis_clipped,    &LossStats::kl_sum,          &LossStats::mismatch_k3_sum,
-      &LossStats::mismatch_k1_sum, &LossStats::prob_diff_max,  &LossStats::prob_diff_min};
   LossStats s;
   s.n_tokens = n_tokens;
   for (std::int64_t i = 0; i < kLossStatValues; ++i) s.*kFields[i] = d[i];

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace lorasync::rl {
 
@@ -53,6 +54,10 @@ struct LossStats {
   double mismatch_k3_sum = 0, mismatch_k1_sum = 0;
   double prob_diff_max = -1e300, prob_diff_min = 1e300;
   void merge(const LossStats& o);
+  // n_tokens then the kLossStatValues sums and extremes, as doubles (sent between ranks).
+  static constexpr std::size_t kNumValues = 13;
+  void to_values(std::vector<double>& out) const;
+  static LossStats from_values(const double* v);  // kNumValues values
 };
 
 // Per-token losses L_t (differentiable through inputs.logp); fills `stats` when given.

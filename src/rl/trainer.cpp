@@ -103,6 +103,7 @@ void Trainer::prepare_output() {
 
 void Trainer::load_model_and_data() {
   device_ = model::parse_device(cfg_.model.device);
+  if (dist_env_ && device_.is_cuda()) device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dist_env_->local_rank));
   const auto dtype = model::parse_dtype(cfg_.model.dtype, device_, "model.dtype");
   const int threads = cfg_.model.threads > 0 ? static_cast<int>(cfg_.model.threads)
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -153,11 +154,7 @@ void Trainer::load_model_and_data() {
     reward_names_.push_back(cfg_.grpo.reward_funcs[i]);
   }
   reward_ = parts.size() == 1 && parts[0].second == 1.0 ? parts[0].first : std::make_shared<reward::CompositeReward>(parts);
-  loss_cfg_.eps_low = cfg_.grpo.epsilon_low;
-  loss_cfg_.eps_high = cfg_.grpo.epsilon_high;
-  loss_cfg_.tis_cap = cfg_.grpo.tis_cap;
-  loss_cfg_.beta = cfg_.grpo.beta;
-  loss_cfg_.old_policy = parse_old_policy(cfg_.grpo.old_policy);
+  loss_cfg_ = loss_config_of(cfg_);
   agg_ = parse_loss_agg(cfg_.grpo.loss_agg);
 }
 
@@ -257,7 +254,22 @@ void Trainer::shutdown_pipeline() {
 int Trainer::run() {
   configure_process();
   tty_ = ::isatty(2) != 0;
-  resolve_config();
+  if (dist_env_) dist_ = DistGroup::connect(*dist_env_, DistOptions::from_environment());
+  // The other ranks hear how the run ended: stop (with the exit code) or abort (with the error).
+  try {
+    resolve_config();
+    dp_send_config();
+    const int rc = run_main();
+    if (rc == 0 || rc == 143) dp_finish("stop", std::to_string(rc));
+    else dp_finish("abort", dp_error_.empty() ? "rank 0 stopped with exit code " + std::to_string(rc) : dp_error_);
+    return rc;
+  } catch (const std::exception& e) {
+    dp_finish("abort", e.what());
+    throw;
+  }
+}
+
+int Trainer::run_main() {
   prepare_output();
   load_model_and_data();
   std::string key = args_.api_key;
@@ -337,6 +349,7 @@ int Trainer::run() {
     if (cfg_.optimizer.scheduler != "constant" && cfg_.optimizer.scheduler != "cosine")
       refuse("optimizer.scheduler must be constant or cosine; got \"" + cfg_.optimizer.scheduler + "\"");
   }
+  dp_send_init();
   // Leftover versions of this prefix are unloaded (and, on a fresh run, deleted).
   unload_leftovers({});
   if (!args_.resume) {
@@ -551,6 +564,7 @@ int Trainer::run() {
   } catch (const std::exception& e) {
     if (tty_) std::fprintf(stderr, "\n");
     LS_LOG_ERROR("trainer", "{}", e.what());
+    dp_error_ = e.what();
     try {
       settle_partial_step();
     } catch (const std::exception& e2) {
@@ -574,7 +588,9 @@ using detail::Trainer;
 
 int run_trainer(const TrainArgs& args) {
   try {
-    Trainer t(args);
+    auto dist = DistEnv::from_environment();
+    if (dist && dist->rank != 0) return detail::run_dp_worker(args, *dist);
+    Trainer t(args, dist);
     return t.run();
   } catch (const ConfigRefusal& e) {
     std::fprintf(stderr, "lorasync train: configuration error: %s\n", e.what());

@@ -32,6 +32,7 @@
 #include "rl/checkpoint.h"
 #include "rl/config.h"
 #include "rl/dataset.h"
+#include "rl/dist.h"
 #include "rl/grpo_loss.h"
 #include "rl/metrics_endpoint.h"
 #include "rl/optimizer.h"
@@ -39,6 +40,7 @@
 #include "rl/packing.h"
 #include "rl/pipeline.h"
 #include "rl/publisher.h"
+#include "rl/step_work.h"
 #include "rl/trainer.h"
 #include "util/error.h"
 #include "util/files.h"
@@ -140,10 +142,12 @@ class JsonlWriter {
 
 class Trainer {
  public:
-  explicit Trainer(const TrainArgs& args) : args_(args) {}
+  // dist: rank 0 of a data-parallel run (docs/trainer.md "Data-parallel ranks"), or none.
+  Trainer(const TrainArgs& args, std::optional<DistEnv> dist) : args_(args), dist_env_(std::move(dist)) {}
   int run();
 
  private:
+  int run_main();
   // ---- set-up
   void resolve_config();
   void prepare_output();
@@ -180,6 +184,12 @@ class Trainer {
   void console(const json& m);
   void shutdown_pipeline();
   double lr_at(std::int64_t step) const;
+  // ---- data-parallel ranks (trainer_dp.cpp): rank 0's side of the protocol
+  void dp_send_config();             // checks the rank count against the configuration, sends it
+  void dp_send_init();               // the adapter and optimizer state, once they exist
+  void dp_send_step(StepWork& w);    // this step's work, with the snapshots the ranks lack
+  void dp_finish(const std::string& kind, const std::string& message) noexcept;  // stop | abort
+  void dp_check_peers();             // throws naming a rank whose heartbeat stopped
 
   TrainArgs args_;
   TrainConfig cfg_;
@@ -222,9 +232,19 @@ class Trainer {
   std::vector<std::int64_t> to_delete_;     // unloaded, deleted at the next sync (retention)
   std::unique_ptr<http::BlockingClient> sync_client_;
 
+  std::optional<DistEnv> dist_env_;
+  std::unique_ptr<DistGroup> dist_;
+  std::int64_t dp_seq_ = 0;             // the next message's number
+  std::set<std::int64_t> dp_versions_;  // snapshots the other ranks hold
+  double dp_last_check_ = 0;
+  std::string dp_error_;                // why the run stopped (for the other ranks)
+
   double last_step_end_ = 0, run_start_ = 0, flops_ = 0;
   std::int64_t steps_this_run_ = 0;
   bool tty_ = false;
 };
+
+// A data-parallel rank other than 0 (dp_worker.cpp): returns the process's exit code.
+int run_dp_worker(const TrainArgs& args, const DistEnv& env);
 
 }  // namespace lorasync::rl::detail

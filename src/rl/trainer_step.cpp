@@ -49,6 +49,7 @@ std::vector<Group> Trainer::assemble_step_into(std::vector<Group>& groups, doubl
   for (;;) {
     while (samples < cfg_.batching.samples_per_step) {
       if (g_stop_signal.load()) throw Preempted{};
+      dp_check_peers();
       if (auto f = pipe_->fatal()) throw Error(ErrorKind::kInvalidInput, *f);
       {
         std::lock_guard lk(sync_mu_);
@@ -92,135 +93,78 @@ std::vector<Group> Trainer::assemble_step_into(std::vector<Group>& groups, doubl
 
 void Trainer::train_step(std::vector<Group>& groups, json& m) {
   const auto& cfg = cfg_;
-  const double temp = cfg.generation.temperature;
-  std::vector<PackedSample> items;
-  std::vector<const Member*> members;
-  std::vector<std::int64_t> versions;
-  std::vector<PackItem> pack;
+  StepWork w;
+  w.temperature = cfg.generation.temperature;
   std::int64_t total_completion = 0, total_tokens = 0, gi = 0;
   for (const auto& g : groups) {
     const Problem* pr = find_problem(data_, g.prompt.index);
     LS_CHECK(pr, "group for an unknown prompt");
     std::int64_t mi = 0;
     for (const auto& mem : g.members) {
-      PackedSample s;
+      StepSample s;
       s.prompt = pr->prompt_ids;
       s.completion.assign(mem.ids.begin(), mem.ids.end());
-      pack.push_back({static_cast<std::int64_t>(s.prompt.size() + s.completion.size()), gi, mi++});
+      s.behaviour = mem.logprobs;
+      s.advantage = static_cast<float>(mem.advantage);
+      s.version = g.version;
+      s.group = gi, s.member = mi++;
       total_completion += static_cast<std::int64_t>(s.completion.size());
       total_tokens += static_cast<std::int64_t>(s.prompt.size() + s.completion.size());
-      items.push_back(std::move(s));
-      members.push_back(&mem);
-      versions.push_back(g.version);
+      w.samples.push_back(std::move(s));
     }
     ++gi;
   }
-  const auto n = static_cast<std::int64_t>(items.size());
+  const auto n = static_cast<std::int64_t>(w.samples.size());
   const double K = static_cast<double>(cfg.grpo.loss_norm_const > 0 ? cfg.grpo.loss_norm_const : cfg.generation.max_new_tokens);
-  const double denom = agg_ == LossAgg::kTokenMean ? static_cast<double>(std::max<std::int64_t>(1, total_completion))
-                                                   : static_cast<double>(n) * K;
-  PackPlan plan = plan_rows(pack, cfg.batching.row_tokens);
-  const auto opts = torch::TensorOptions().device(device_);
-  // Old-policy pass (recompute): the trainer's logprobs under each sample's version, no grad.
-  std::vector<at::Tensor> old_lp(static_cast<std::size_t>(n)), ref_lp(static_cast<std::size_t>(n));
-  double recompute_s = 0, fwd_s = 0;
-  if (loss_cfg_.old_policy == OldPolicy::kRecompute || loss_cfg_.beta > 0) {
-    const double t0 = now_s();
-    torch::NoGradGuard ng;
-    for (const auto& row : plan.rows) {
-      std::map<std::int64_t, std::vector<std::size_t>> by_version;
-      for (auto i : row) by_version[versions[i]].push_back(i);
-      if (loss_cfg_.old_policy == OldPolicy::kRecompute) {
-        for (const auto& [v, idx] : by_version) {
-          auto it = version_adapters_.find(v);
-          LS_CHECK(it != version_adapters_.end(), "no snapshot of a version in the staleness window");
-          std::vector<PackedSample> sub;
-          for (auto i : idx) sub.push_back(items[i]);
-          auto out = model::packed_logprobs(*model_, &it->second, sub, temp, cfg.batching.logits_chunk);
-          for (std::size_t k = 0; k < idx.size(); ++k)
-            old_lp[idx[k]] = out.logprobs.slice(0, out.offsets[k], out.offsets[k + 1]);
-        }
-      }
-      if (loss_cfg_.beta > 0) {
-        std::vector<PackedSample> sub;
-        for (auto i : row) sub.push_back(items[i]);
-        auto out = model::packed_logprobs(*model_, nullptr, sub, temp, cfg.batching.logits_chunk);
-        for (std::size_t k = 0; k < row.size(); ++k) ref_lp[row[k]] = out.logprobs.slice(0, out.offsets[k], out.offsets[k + 1]);
-      }
-    }
-    recompute_s = now_s() - t0;
-  }
-  // Gradient pass, one row at a time; each row adds its partial sum over the global denominator.
-  // Per-row figures stay on the device until the step's end: one host read per step, not per row.
-  std::vector<at::Tensor> row_stats, row_loss, row_entropy;
-  std::vector<std::int64_t> row_tokens;
-  const double t_fb = now_s();
-  for (const auto& row : plan.rows) {
-    std::vector<PackedSample> sub;
-    std::vector<float> beh, adv;
-    for (auto i : row) {
-      sub.push_back(items[i]);
-      beh.insert(beh.end(), members[i]->logprobs.begin(), members[i]->logprobs.end());
-      adv.insert(adv.end(), members[i]->ids.size(), static_cast<float>(members[i]->advantage));
-    }
-    const double f0 = now_s();
-    auto out = packed_row_logprobs(*model_, &adapter_, sub, temp, cfg.batching.logits_chunk,
-                                   cfg.batching.activation_checkpointing);
-    fwd_s += now_s() - f0;
-    const auto fdt = out.logprobs.scalar_type();
-    TokenInputs in;
-    in.logp = out.logprobs;
-    in.behaviour = torch::from_blob(beh.data(), {static_cast<std::int64_t>(beh.size())}, torch::kFloat32).to(opts.dtype(fdt));
-    in.advantages = torch::from_blob(adv.data(), {static_cast<std::int64_t>(adv.size())}, torch::kFloat32).to(opts.dtype(fdt));
-    if (loss_cfg_.old_policy == OldPolicy::kRecompute) {
-      std::vector<at::Tensor> parts;
-      for (auto i : row) parts.push_back(old_lp[i]);
-      in.old = torch::cat(parts).to(fdt);
-    }
-    if (loss_cfg_.beta > 0) {
-      std::vector<at::Tensor> parts;
-      for (auto i : row) parts.push_back(ref_lp[i]);
-      in.ref = torch::cat(parts).to(fdt);
-    }
-    at::Tensor values;
-    at::Tensor L = grpo_token_losses_with_stats(in, loss_cfg_, &values);
-    if (values.defined()) row_stats.push_back(values), row_tokens.push_back(in.logp.numel());
-    at::Tensor loss = L.sum() / denom;
-    row_loss.push_back(loss.detach().to(torch::kDouble));
-    if (out.entropy.defined()) row_entropy.push_back(out.entropy.sum().to(torch::kDouble));
-    (loss * loss_scale_).backward();
-  }
-  LossStats stats;
-  double J = 0, ent_sum = 0;
-  if (!row_stats.empty()) {
-    auto all = torch::stack(row_stats).to(torch::kCPU);
-    for (std::size_t i = 0; i < row_stats.size(); ++i) stats.merge(loss_stats_from_values(all[static_cast<std::int64_t>(i)], row_tokens[i]));
-  }
-  if (!row_loss.empty()) J = torch::stack(row_loss).sum().item<double>();
-  if (!row_entropy.empty()) ent_sum = torch::stack(row_entropy).sum().item<double>();
-  const double fwd_bwd_s = now_s() - t_fb;
-  // Optimizer: unscale (fp16), clip, AdamW.
-  const double o0 = now_s();
+  w.denom = agg_ == LossAgg::kTokenMean ? static_cast<double>(std::max<std::int64_t>(1, total_completion)) : static_cast<double>(n) * K;
+  w.lr = lr_at(opt_->steps());
+  w.loss_scale = loss_scale_;
+  const int world = dist_ ? dist_->world() : 1;
+  w.owner = assign_ranks(w.samples, world, model_->config());
+  if (dist_) dp_send_step(w);
+  // This rank's share (all of it with one rank), then the gradients summed across ranks.
+  StepContext ctx{*model_, adapter_, version_adapters_, loss_cfg_, cfg.batching, device_};
+  ShareResult share = compute_share(ctx, w, samples_of(w.owner, 0));
   auto params = adapter_.parameters();
-  bool finite = true;
-  if (loss_scale_ != 1.0)
-    for (auto& p : params)
-      if (p.grad().defined()) p.grad().div_(loss_scale_);
-  double gnorm = clip_grad_norm(params, cfg.optimizer.max_grad_norm);
-  if (!std::isfinite(gnorm)) finite = false;
+  double dp_imbalance = 1.0;
+  const double c0 = now_s();
+  if (dist_) {
+    at::Tensor flat = flatten_grads(params);
+    dist_->allreduce_sum(flat);
+    unflatten_grads(params, flat);
+    share = ShareResult::merge(dist_->allgather(share.to_values()), &dp_imbalance);
+  }
+  const double comm_s = now_s() - c0;
+  const LossStats& stats = share.stats;
+  const double J = share.loss, ent_sum = share.entropy_sum, fwd_s = share.fwd_s, recompute_s = share.recompute_s;
+  const double fwd_bwd_s = share.fwd_bwd_s;
+  // Optimizer: unscale (fp16), clip, AdamW; every rank takes the same step.
+  const double o0 = now_s();
+  const GradStep grad = apply_gradients(*opt_, params, loss_scale_, cfg.optimizer.max_grad_norm, w.lr);
+  const double gnorm = grad.grad_norm;
   const bool fp16 = model_->dtype() == torch::kFloat16;
-  if (!finite && fp16) {
+  if (!grad.finite && fp16) {
     loss_scale_ = std::max(1.0, loss_scale_ / 2);
     clean_steps_ = 0;
     pipe_->add_counter("skipped_steps_total", 1);
-  } else if (!finite) {
+  } else if (!grad.finite) {
     throw Error(ErrorKind::kInternal, fmt::format("non-finite gradient norm at step {} (loss {})", step_ + 1, J));
-  } else {
-    opt_->step(lr_at(opt_->steps()));
-    if (fp16 && ++clean_steps_ >= cfg.optimizer.loss_scale_window) loss_scale_ *= 2, clean_steps_ = 0;
+  } else if (fp16 && ++clean_steps_ >= cfg.optimizer.loss_scale_window) {
+    loss_scale_ *= 2, clean_steps_ = 0;
   }
-  opt_->zero_grad();
   const double optimizer_s = now_s() - o0;
+  // The rows every rank packed (the same plans they computed).
+  PackPlan plan;
+  double imbalance = 0;
+  std::int64_t packed = 0;
+  for (int r = 0; r < world; ++r) {
+    PackPlan p = plan_share(w.samples, samples_of(w.owner, r), cfg.batching.row_tokens);
+    for (auto t : p.row_tokens) packed += t;
+    imbalance = std::max(imbalance, p.imbalance);
+    for (auto& row : p.rows) plan.rows.push_back(std::move(row));
+  }
+  plan.fill = plan.rows.empty() ? 0 : static_cast<double>(packed) / static_cast<double>(plan.rows.size() * static_cast<std::size_t>(cfg.batching.row_tokens));
+  plan.imbalance = imbalance;
 
   // Metrics of the step's samples.
   double rsum = 0, rstd_sum = 0, zero_std = 0, clipped = 0;
@@ -253,7 +197,7 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   const double nt = static_cast<double>(std::max<std::int64_t>(1, stats.n_tokens));
   m["loss"] = J;
   m["grad_norm"] = gnorm;
-  m["learning_rate"] = lr_at(std::max<std::int64_t>(0, opt_->steps() - 1));
+  m["learning_rate"] = w.lr;
   if (fp16) m["loss_scale"] = loss_scale_;
   m["reward"] = rsum / std::max(1.0, scored);
   for (std::size_t k = 0; k < reward_names_.size(); ++k) m["rewards/" + reward_names_[k]] = part_sums[k] / std::max(1.0, scored);
@@ -281,19 +225,20 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   m["perf/fwd_bwd_s"] = fwd_bwd_s;
   if (loss_cfg_.old_policy == OldPolicy::kRecompute || loss_cfg_.beta > 0) m["perf/recompute_s"] = recompute_s;
   m["perf/optimizer_s"] = optimizer_s;
+  if (dist_) {
+    m["dp/ranks"] = world;
+    m["dp/compute_imbalance"] = dp_imbalance;  // slowest rank's forward/backward over the mean
+    m["perf/dp_reduce_s"] = comm_s;
+  }
   m["sample/staleness_mean"] = stale_sum / dn;
   m["sample/staleness_max"] = stale_max;
   m["sample/time_in_queue_s"] = tq / dn;
-  // MFU (trainer.md §6): F = sum_i (4 P L_i + 6 n_layers d_attn L_i^2) + 4 d V C; omitted on CPU.
+  // MFU (trainer.md §6): F = sum_i (4 P L_i + 6 n_layers d_attn L_i^2) + 4 d V C, per device with
+  // data-parallel ranks; omitted on CPU.
   if (!device_.is_cpu() && cfg.logging.peak_tflops > 0) {
-    const auto& c = model_->config();
-    const double P = static_cast<double>(c.num_hidden_layers) *
-                     static_cast<double>(c.hidden_size * c.q_dim() * 2 + 2 * c.hidden_size * c.num_key_value_heads * c.head_dim +
-                                         3 * c.hidden_size * c.intermediate_size);
-    double F = 4.0 * static_cast<double>(c.hidden_size) * static_cast<double>(c.vocab_size) * static_cast<double>(total_completion);
-    for (const auto& it : pack)
-      F += 4.0 * P * static_cast<double>(it.length) +
-           6.0 * static_cast<double>(c.num_hidden_layers * c.q_dim()) * static_cast<double>(it.length) * static_cast<double>(it.length);
+    double F = 0;
+    for (const auto& smp : w.samples) F += sample_flops(smp, model_->config());
+    F /= world;  // per device: each rank computed its share in the slowest rank's time
     m["perf/mfu_fwd_bwd"] = 100.0 * F / (std::max(1e-9, fwd_bwd_s) * cfg.logging.peak_tflops * 1e12);
     flops_ = F;
   }

@@ -16,8 +16,7 @@
 #include <regex>
 #include <thread>
 
-#include "core/tokenizer/tokenizer.h"
-#include "http/server.h"
+#include "train_fakes.h"
 #include "util/child_process.h"
 #include "util/files.h"
 #include "util/jsonl.h"
@@ -28,62 +27,9 @@ namespace lorasync {
 namespace {
 
 using nlohmann::json;
-
-// A fake generation server: the control routes of a replica (health, capabilities, models,
-// adapter loads that read the manifest for the provenance check); completions() is the test's.
-class FakeReplica {
- public:
-  virtual ~FakeReplica() { stop(); }
-  std::uint16_t port() const { return server_->port(); }
-
- protected:
-  // Called with the replica's lock held; `sha` is the loaded adapter's digest ("" if none).
-  virtual http::Response completions(const json& body, const std::string& model, const std::string& sha) = 0;
-  void start() {
-    server_ = std::make_unique<http::Server>(http::ServerOptions{}, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
-      http::Response r = handle(req);
-      co_await w.send(std::move(r));
-    });
-    server_->start();
-  }
-  void stop() {
-    if (server_) server_->stop(1.0);
-  }
-
- private:
-  http::Response handle(const http::Request& req) {
-    const std::string path(req.path());
-    std::lock_guard lk(mu_);
-    if (path == "/health") return http::json_response(200, "{}");
-    if (path == "/server_info")
-      return http::json_response(200, json{{"model", "tiny"}, {"dtype", "float32"}, {"max_model_len", 2048},
-                                           {"lora_config", {{"max_loras", 8}, {"max_lora_rank", 16}}},
-                                           {"parallel_config", {{"data_parallel_size", 1}}}}
-                                          .dump());
-    if (path == "/v1/models") {
-      json data = json::array({{{"id", "tiny"}}});
-      for (const auto& [n, sha] : loaded_) data.push_back({{"id", n}});
-      return http::json_response(200, json{{"data", data}}.dump());
-    }
-    json body = json::parse(req.body, nullptr, false);
-    if (path == "/v1/load_lora_adapter") {
-      auto m = json::parse(read_file(fs::path(body["lora_path"].get<std::string>()) / "manifest.json"));
-      loaded_[body["lora_name"]] = m["adapter_sha256"];
-      return http::json_response(200, "\"ok\"");
-    }
-    if (path == "/v1/unload_lora_adapter") {
-      loaded_.erase(body["lora_name"].get<std::string>());
-      return http::json_response(200, "\"ok\"");
-    }
-    if (path != "/v1/completions") return http::json_response(404, "{}");
-    const std::string model = body["model"];
-    return completions(body, model, loaded_.count(model) ? loaded_[model] : "");
-  }
-
-  std::mutex mu_;
-  std::map<std::string, std::string> loaded_;
-  std::unique_ptr<http::Server> server_;
-};
+using testing::DeterministicServer;
+using testing::FakeReplica;
+using testing::TrainRun;
 
 // Completions scripted by count: 503s, 404s for loaded versions, overlong completions, provenance
 // that does not match the manifest, and a permanent 400 after `fail_after` requests.
@@ -117,32 +63,6 @@ class FakeServer : public FakeReplica {
 
   std::atomic<int> completions_{0};
   int fail_after_;
-};
-
-// A tiny model, 12 problems and a configuration against the fake; `extra` is appended TOML.
-struct TrainRun {
-  TempDir dir{"lorasync-train-faults"};
-  fs::path model = dir.path() / "tiny", out = dir.path() / "run", config = dir.path() / "t.toml";
-  TrainRun(std::uint16_t port, int max_steps, const std::string& grpo_extra = "", const std::string& extra = "") {
-    auto r = testing::run_lorasync("init-model --preset tiny --seed 5 --init-std 0.1 --tokenizer " +
-                                   testing::shell_quote(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer") +
-                                   " --output " + testing::shell_quote(model.string()));
-    if (r.exit_code != 0) throw std::runtime_error(r.err);
-    {
-      std::ofstream f(dir.path() / "train.jsonl");
-      for (int i = 0; i < 12; ++i) f << json{{"problem", "What is " + std::to_string(i) + " + 1?"}, {"answer", std::to_string(i + 1)}}.dump() << "\n";
-    }
-    std::ofstream(config)
-        << "output_dir = \"" << out.string() << "\"\nmax_steps = " << max_steps << "\n"
-        << "[model]\npath = \"" << model.string() << "\"\nserved_name = \"tiny\"\ndevice = \"cpu\"\ndtype = \"fp32\"\nthreads = 1\n"
-        << "[lora]\nrank = 4\nalpha = 8.0\n[data]\nmax_prompt_tokens = 200\ntrain_file = \"" << (dir.path() / "train.jsonl").string() << "\"\n"
-        << "[generation]\nserver_url = \"http://127.0.0.1:" << port << "\"\nmax_new_tokens = 8\ncontext_len = 1024\nserver_wait_s = 10\n"
-        << "[grpo]\nnum_generations = 4\n" << grpo_extra
-        << "[async]\nmax_inflight = 8\nqueue_maxsize = 32\nscore_workers = 1\nmax_staleness = 1\n"
-        << "retry_backoff_s = 0.01\nretry_backoff_max_s = 0.05\nmax_retries = 8\n"
-        << "[batching]\nsamples_per_step = 8\nrow_tokens = 2048\n[sync]\nweight_sync_steps = 2\n"
-        << "[checkpoint]\nsave_steps = 100\n[logging]\nmetrics_port = 0\n" << extra;
-  }
 };
 
 TEST(TrainFaults, RetriesRejectsAndStopsOnAPermanent400WithACheckpoint) {
@@ -240,45 +160,6 @@ TEST(TrainFaults, SigtermNeverWaitsOnAHungReward) {
   EXPECT_LT(took, 15.0);
   EXPECT_TRUE(fs::exists(run.out / "checkpoints" / "latest")) << trainer.stderr_text();
 }
-
-// A server whose answer is a function of the request alone (not of time, order or adapter): for
-// "What is N + 1?" member k answers \boxed{N+1} or, for every third (N, k), \boxed{N+2}; fixed
-// logprobs. Adapters are "loaded" by reading their manifest (for the provenance check).
-class DeterministicServer : public FakeReplica {
- public:
-  // fail_prompt >= 0: the first `fail_count` requests for that problem answer 503.
-  explicit DeterministicServer(int fail_prompt = -1, int fail_count = 0)
-      : fail_prompt_(fail_prompt), fail_count_(fail_count),
-        tok_(tok::Tokenizer::load(fs::path(LORASYNC_SHARED_DIR) / "data" / "qwen2-tokenizer")) {
-    start();
-  }
-  ~DeterministicServer() override { stop(); }
-
- private:
-  http::Response completions(const json& body, const std::string& model, const std::string& sha) override {
-    const std::string prompt = tok_.decode(body["prompt"].get<std::vector<std::int32_t>>());
-    std::smatch m;
-    if (!std::regex_search(prompt, m, std::regex(R"(What is (\d+) \+ 1)"))) return http::json_response(400, "{}");
-    const int n = std::stoi(m[1]);
-    if (n == fail_prompt_ && fail_count_ > 0) {
-      --fail_count_;
-      return http::json_response(503, R"x({"error":{"message":"overloaded (scripted)"}})x");
-    }
-    json choices = json::array();
-    for (int k = 0; k < body["n"].get<int>(); ++k) {
-      const auto ids = tok_.encode("\\boxed{" + std::to_string((n + k) % 3 == 0 ? n + 2 : n + 1) + "}");
-      std::vector<double> lps(ids.size(), -0.3 - 0.05 * k);
-      choices.push_back({{"index", k}, {"text", ""}, {"finish_reason", "stop"}, {"token_ids", ids},
-                         {"logprobs", {{"token_logprobs", lps}}}});
-    }
-    return http::json_response(200, json{{"model", model}, {"choices", choices},
-                                         {"lorasync", {{"adapter", model}, {"adapter_sha256", sha}}}}
-                                        .dump());
-  }
-
-  int fail_prompt_, fail_count_;
-  tok::Tokenizer tok_;
-};
 
 // trainer.md §9 "Checkpoint round trip": with async.ordered and a deterministic server, 6 straight
 // steps equal 3 steps + checkpoint + resume + 3 steps: bit-identical adapter and optimizer state,

@@ -87,4 +87,8 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
                        const std::map<std::string, std::string>& metadata = {{"format", "pt"}},
                        bool atomic = true);
 
+// The same image in memory (messages between processes: a format with a validating reader).
+std::string safetensors_bytes(const std::vector<TensorToWrite>& tensors,
+                              const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+
 }  // namespace lorasync::io

@@ -27,15 +27,13 @@ void write_all(int fd, const void* p, std::size_t n, const std::filesystem::path
   }
 }
 
-}  // namespace
-
-void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
-                       const std::map<std::string, std::string>& metadata, bool atomic) {
-  std::vector<const TensorToWrite*> order;
+// The 8-byte length and the JSON header of `tensors` (validated), with the tensors in the order
+// their bytes follow; `what` names the destination in errors.
+std::string header_of(const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata,
+                      const std::string& what, std::vector<const TensorToWrite*>& order) {
   std::set<std::string> names;
   for (const auto& t : tensors) {
-    if (!names.insert(t.name).second)
-      throw_invalid("write_safetensors {}: duplicate tensor name '{}'", path.string(), t.name);
+    if (!names.insert(t.name).second) throw_invalid("write_safetensors {}: duplicate tensor name '{}'", what, t.name);
     std::int64_t numel = 1;
     for (auto s : t.shape) {
       if (s < 0) throw_invalid("write_safetensors: tensor '{}' has a negative dimension", t.name);
@@ -64,9 +62,28 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
   }
   std::string h = header.dump();
   while ((h.size() + 8) % 8 != 0) h.push_back(' ');  // align the data section to 8 bytes
-  std::uint8_t len[8];
-  std::uint64_t n = h.size();
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(n >> (8 * i));
+  std::string out(8, '\0');
+  const std::uint64_t n = h.size();
+  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>(static_cast<std::uint8_t>(n >> (8 * i)));
+  return out + h;
+}
+
+}  // namespace
+
+std::string safetensors_bytes(const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata) {
+  std::vector<const TensorToWrite*> order;
+  std::string out = header_of(tensors, metadata, "(in memory)", order);
+  std::size_t total = out.size();
+  for (const auto* t : order) total += t->bytes.size();
+  out.reserve(total);
+  for (const auto* t : order) out.append(reinterpret_cast<const char*>(t->bytes.data()), t->bytes.size());
+  return out;
+}
+
+void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata, bool atomic) {
+  std::vector<const TensorToWrite*> order;
+  const std::string head = header_of(tensors, metadata, path.string(), order);
 
   std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
   std::filesystem::path target =
@@ -74,8 +91,7 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
   int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw_env("cannot create {}: {}", target.string(), errno_text());
   try {
-    write_all(fd, len, 8, target);
-    write_all(fd, h.data(), h.size(), target);
+    write_all(fd, head.data(), head.size(), target);
     for (const auto* t : order) write_all(fd, t->bytes.data(), t->bytes.size(), target);
     if (::fsync(fd) != 0) throw_env("fsync of {} failed: {}", target.string(), errno_text());
     if (::close(fd) != 0) {
