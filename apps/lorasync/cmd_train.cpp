@@ -28,6 +28,7 @@
 
 #include "commands.h"
 #include "rl/trainer.h"
+#include "util/log.h"
 #include "util/error.h"
 
 namespace lorasync::cli {
@@ -76,11 +77,35 @@ int launch_ranks(int nproc) {
     throw Error(ErrorKind::kEnvironment, std::string("cannot open the ranks' store port on 127.0.0.1: ") + std::strerror(errno));
   const int port = ntohs(addr.sin_port);
   const std::vector<std::string> args = own_args_without_nproc();
+  // Every rank's argv and environment, built before fork (the child only calls exec).
+  std::vector<std::vector<std::string>> envs(static_cast<std::size_t>(nproc));
+  for (int r = 0; r < nproc; ++r) {
+    auto& e = envs[static_cast<std::size_t>(r)];
+    const std::map<std::string, std::string> set_here = {
+        {"RANK", std::to_string(r)}, {"LOCAL_RANK", std::to_string(r)}, {"WORLD_SIZE", std::to_string(nproc)},
+        {"LOCAL_WORLD_SIZE", std::to_string(nproc)}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}};
+    for (char** v = environ; *v; ++v) {
+      const std::string kv = *v, name = kv.substr(0, kv.find('='));
+      if (!set_here.count(name) && name != "LORASYNC_STORE_LISTEN_FD" && name != "TORCHELASTIC_USE_AGENT_STORE") e.push_back(kv);
+    }
+    for (const auto& [k, v] : set_here) e.push_back(k + "=" + v);
+    if (r == 0) e.push_back("LORASYNC_STORE_LISTEN_FD=" + std::to_string(fd));  // rank 0 hosts the store on it
+  }
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<std::vector<char*>> envps;
+  for (auto& e : envs) {
+    auto& p = envps.emplace_back();
+    for (auto& kv : e) p.push_back(kv.data());
+    p.push_back(nullptr);
+  }
   sigset_t set, none;
   sigemptyset(&set);
   sigemptyset(&none);
   for (int sig : {SIGTERM, SIGINT, SIGCHLD}) sigaddset(&set, sig);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  const pid_t launcher = ::getpid();
   std::map<pid_t, int> rank_of;
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
@@ -89,34 +114,26 @@ int launch_ranks(int nproc) {
     if (pid == 0) {
       ::setpgid(0, 0);  // a terminal's Ctrl-C reaches the launcher only, which forwards it
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a launcher that dies stops its ranks (rank 0 checkpoints)
-      if (::getppid() == 1) std::_Exit(143);
+      if (::getppid() != launcher) ::_exit(143);
       pthread_sigmask(SIG_SETMASK, &none, nullptr);
-      if (r == 0) {
-        ::fcntl(fd, F_SETFD, 0);  // rank 0 hosts the store on the socket bound here
-        ::setenv("LORASYNC_STORE_LISTEN_FD", std::to_string(fd).c_str(), 1);
-      }
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
-      std::vector<char*> argv;
-      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execv("/proc/self/exe", argv.data());
-      std::fprintf(stderr, "lorasync train: cannot start rank %d: %s\n", r, std::strerror(errno));
-      std::_Exit(127);
+      if (r == 0) ::fcntl(fd, F_SETFD, 0);
+      ::execve("/proc/self/exe", argv.data(), envps[static_cast<std::size_t>(r)].data());
+      ::_exit(127);
     }
     rank_of[pid] = r;
     pids.push_back(pid);
   }
   ::close(fd);
-  std::fprintf(stderr, "lorasync train: started %d data-parallel ranks (store 127.0.0.1:%d)\n", nproc, port);
+  std::string pid_list;
+  for (std::size_t r = 0; r < pids.size(); ++r) pid_list += fmt::format("{}rank {} pid {}", r ? ", " : "", r, pids[r]);
+  std::fprintf(stderr, "lorasync train: started %d data-parallel ranks (store 127.0.0.1:%d; %s)\n", nproc, port, pid_list.c_str());
+  using Clock = std::chrono::steady_clock;
   std::map<int, int> status;  // rank -> wait status
+  std::vector<int> failed_order;
   int signals = 0;
-  auto rank0_exit = std::chrono::steady_clock::time_point::max();
+  auto never = Clock::time_point::max();
+  auto rank0_exit = never, worker_failed = never;
+  auto alive = [&](pid_t p) { return !status.count(rank_of[p]); };
   while (status.size() < pids.size()) {
     const timespec tick{0, 200'000'000};
     const int sig = sigtimedwait(&set, nullptr, &tick);
@@ -125,8 +142,11 @@ int launch_ranks(int nproc) {
       std::fprintf(stderr, "\nlorasync train: signal %d: %s\n", sig,
                    signals == 1 ? "rank 0 checkpoints and stops the run (again to stop every rank at once)"
                                 : signals == 2 ? "stopping every rank (again to kill them)" : "killing every rank");
-      for (pid_t p : pids)
-        if (!status.count(rank_of[p]) && (signals > 1 || rank_of[p] == 0)) ::kill(p, signals >= 3 ? SIGKILL : SIGTERM);
+      for (pid_t p : pids) {
+        if (!alive(p)) continue;
+        if (rank_of[p] == 0) ::kill(p, signals >= 3 ? SIGKILL : SIGTERM);  // a second one: it exits at once
+        else if (signals >= 2) ::kill(p, SIGKILL);  // the others hold nothing rank 0 has not saved
+      }
     }
     for (;;) {
       int st = 0;
@@ -135,20 +155,30 @@ int launch_ranks(int nproc) {
       if (!rank_of.count(p)) continue;
       const int r = rank_of[p];
       status[r] = st;
-      if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+      if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+        failed_order.push_back(r);
         std::fprintf(stderr, "lorasync train: rank %d (pid %d) %s\n", r, static_cast<int>(p), describe_status(st).c_str());
-      if (r == 0) rank0_exit = std::chrono::steady_clock::now();
+        if (r != 0 && worker_failed == never) worker_failed = Clock::now();
+      }
+      if (r == 0) rank0_exit = Clock::now();
     }
+    const auto now = Clock::now();
     // After rank 0, the others have a minute to hear the end of the run and leave.
-    if (status.size() < pids.size() && std::chrono::steady_clock::now() - rank0_exit > std::chrono::seconds(60)) {
+    if (rank0_exit != never && now - rank0_exit > std::chrono::seconds(60)) {
       for (pid_t p : pids)
-        if (!status.count(rank_of[p])) ::kill(p, SIGKILL);
-      rank0_exit = std::chrono::steady_clock::time_point::max();
+        if (alive(p)) ::kill(p, SIGKILL);
+      rank0_exit = never;
+    }
+    // Rank 0 notices a dead rank by itself within its heartbeat limit; one that does not (still
+    // joining the group, say) is asked to stop after a minute, and told twice after two.
+    if (worker_failed != never && alive(pids[0]) && now - worker_failed > std::chrono::seconds(60)) {
+      std::fprintf(stderr, "lorasync train: rank 0 has not stopped after a rank failed: stopping it\n");
+      ::kill(pids[0], SIGTERM);
+      worker_failed = now - std::chrono::seconds(30);  // again in 30 s (the second exits at once)
     }
   }
   if (exit_code_of(status[0]) != 0) return exit_code_of(status[0]);
-  for (const auto& [r, st] : status)
-    if (exit_code_of(st) != 0) return exit_code_of(st);
+  for (int r : failed_order) return exit_code_of(status[r]);
   return 0;
 }
 

@@ -8,6 +8,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -22,7 +25,9 @@ namespace lorasync::rl {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr const char* kPrefix = "lorasync/";
+// Values larger than this go as numbered chunks: the libuv TCPStore server (the default) refuses
+// payloads over 8 MiB by dropping the connection.
+constexpr std::size_t kChunkBytes = std::size_t{4} << 20;
 
 std::optional<long> env_int(const char* name, long lo, long hi) {
   const char* v = std::getenv(name);
@@ -55,6 +60,9 @@ std::optional<DistEnv> DistEnv::from_environment() {
   if (!port) throw_invalid("WORLD_SIZE={} is set but MASTER_PORT is not: rank 0's store address is MASTER_ADDR:MASTER_PORT", e.world);
   e.master_port = static_cast<int>(*port);
   if (e.rank == 0) e.listen_fd = static_cast<int>(env_int("LORASYNC_STORE_LISTEN_FD", 0, 1 << 20).value_or(-1));
+  if (e.listen_fd >= 0) ::unsetenv("LORASYNC_STORE_LISTEN_FD");  // not for the processes rank 0 starts
+  // A launcher that restarts the ranks keeps its store: each attempt has its own keys.
+  e.key_prefix = "lorasync/" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20).value_or(0)) + "/";
   if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE")) e.agent_store = std::string(a) == "True" || std::string(a) == "1";
   return e;
 }
@@ -78,7 +86,7 @@ struct DistGroup::Impl {
   std::atomic<bool> quit{false};
   std::thread heartbeat;
 
-  std::string hb_key(int r) const { return std::string(kPrefix) + "hb/" + std::to_string(r); }
+  std::string hb_key(int r) const { return env.key_prefix + "hb/" + std::to_string(r); }
 
   ~Impl() {
     quit = true;
@@ -99,7 +107,10 @@ std::unique_ptr<DistGroup> DistGroup::connect(const DistEnv& env, const DistOpti
   so.numWorkers = static_cast<std::size_t>(env.world);
   so.waitWorkers = false;
   so.timeout = ms(opts.timeout_s);
-  if (so.isServer && env.listen_fd >= 0) so.masterListenFd = env.listen_fd;
+  if (so.isServer && env.listen_fd >= 0) {
+    ::fcntl(env.listen_fd, F_SETFD, FD_CLOEXEC);  // the store's socket stays in this process
+    so.masterListenFd = env.listen_fd;
+  }
   try {
     auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     im->store = tcp;
@@ -112,7 +123,7 @@ std::unique_ptr<DistGroup> DistGroup::connect(const DistEnv& env, const DistOpti
       gopts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
     else
       gopts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(std::string(kPrefix) + "gloo", im->store);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(env.key_prefix + "gloo", im->store);
     im->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, env.rank, env.world, gopts);
   } catch (const std::exception& e) {
     throw Error(ErrorKind::kUnavailable,
@@ -141,37 +152,77 @@ std::unique_ptr<DistGroup> DistGroup::connect(const DistEnv& env, const DistOpti
 int DistGroup::rank() const { return impl_->env.rank; }
 int DistGroup::world() const { return impl_->env.world; }
 
+// Values are tagged: 'v' + bytes inline, or 'c' + the number of chunks stored under key#i.
 void DistGroup::set(const std::string& key, const std::string& value) {
+  const std::string k = impl_->env.key_prefix + key;
   try {
-    impl_->store->set(kPrefix + key, bytes_of(value));
+    if (value.size() <= kChunkBytes) {
+      impl_->store->set(k, bytes_of("v" + value));
+      return;
+    }
+    const std::size_t n = (value.size() + kChunkBytes - 1) / kChunkBytes;
+    for (std::size_t i = 0; i < n; ++i) impl_->store->set(k + "#" + std::to_string(i), bytes_of(value.substr(i * kChunkBytes, kChunkBytes)));
+    impl_->store->set(k, bytes_of("c" + std::to_string(n)));  // last: a reader sees every chunk
   } catch (const std::exception& e) {
     throw Error(ErrorKind::kUnavailable, describe_failure("writing " + key + " to the store", e));
   }
 }
 
-void DistGroup::erase(const std::string& key) {
+namespace {
+
+std::size_t chunk_count(const std::string& tagged, const std::string& key) {
   try {
-    impl_->store->deleteKey(kPrefix + key);
+    return static_cast<std::size_t>(std::stoull(tagged.substr(1)));
+  } catch (const std::exception&) {
+    throw_invalid("store value {} has a corrupt chunk count", key);
+  }
+}
+
+}  // namespace
+
+void DistGroup::erase(const std::string& key) {
+  const std::string k = impl_->env.key_prefix + key;
+  try {
+    if (!impl_->store->check({k})) return;
+    const auto v = impl_->store->get(k);
+    if (!v.empty() && v[0] == 'c') {
+      const std::size_t n = chunk_count(std::string(v.begin(), v.end()), key);
+      for (std::size_t i = 0; i < n; ++i) impl_->store->deleteKey(k + "#" + std::to_string(i));
+    }
+    impl_->store->deleteKey(k);
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& e) {
     throw Error(ErrorKind::kUnavailable, describe_failure("deleting " + key + " from the store", e));
   }
 }
 
 std::optional<std::string> DistGroup::get_wait(const std::string& key, int watch, const std::function<bool()>& give_up) {
-  const std::string k = kPrefix + key;
+  const std::string k = impl_->env.key_prefix + key;
   auto pause = std::chrono::milliseconds(1);
   auto last_check = Clock::now();
   for (;;) {
     try {
       if (impl_->store->check({k})) {
-        auto v = impl_->store->get(k);
-        return std::string(v.begin(), v.end());
+        const auto v = impl_->store->get(k);
+        if (v.empty()) throw_invalid("store value {} is empty", key);
+        if (v[0] == 'v') return std::string(v.begin() + 1, v.end());
+        if (v[0] != 'c') throw_invalid("store value {} has an unknown tag", key);
+        const std::size_t n = chunk_count(std::string(v.begin(), v.end()), key);
+        std::string out;
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto c = impl_->store->get(k + "#" + std::to_string(i));
+          out.append(c.begin(), c.end());
+        }
+        return out;
       }
+    } catch (const Error&) {
+      throw;
     } catch (const std::exception& e) {
       throw Error(ErrorKind::kUnavailable, describe_failure("reading " + key + " from the store", e));
     }
     if (give_up && give_up()) return std::nullopt;
-    if (Clock::now() - last_check > std::chrono::seconds(1)) {
+    if (watch >= 0 && Clock::now() - last_check > std::chrono::seconds(1)) {
       last_check = Clock::now();
       for (int r : silent_ranks())
         if (r == watch)

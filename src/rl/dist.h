@@ -34,6 +34,7 @@ struct DistEnv {
   int master_port = 0;
   bool agent_store = false;  // the launcher hosts the TCPStore: rank 0 connects as a client
   int listen_fd = -1;        // LORASYNC_STORE_LISTEN_FD: rank 0's store socket, bound by --nproc-per-node
+  std::string key_prefix = "lorasync/0/";  // per launcher attempt (TORCHELASTIC_RESTART_COUNT)
   // nullopt without WORLD_SIZE (or WORLD_SIZE=1); Error(InvalidInput) naming a bad variable.
   static std::optional<DistEnv> from_environment();
 };
@@ -56,8 +57,9 @@ class DistGroup {
   int rank() const;
   int world() const;
 
-  // Store: values are bytes. get_wait waits for the key, checking that `watch` keeps answering
-  // (Error(Unavailable) naming it otherwise); nullopt when `give_up` says so (checked each poll).
+  // Store: values are bytes of any size (chunked under the store's payload limit). get_wait waits
+  // for the key, checking that rank `watch` (-1: none) keeps answering (Error(Unavailable) naming
+  // it otherwise); nullopt when `give_up` says so (checked each poll).
   void set(const std::string& key, const std::string& value);
   std::optional<std::string> get_wait(const std::string& key, int watch, const std::function<bool()>& give_up);
   void erase(const std::string& key);

@@ -64,6 +64,7 @@ int run_dp_worker(const TrainArgs& /*args: rank 0 resolves the configuration*/, 
       model::use_cpu_block_cache(model::default_cpu_block_cache_bytes());
     }
     auto model = model::Qwen2Model::load(cfg.model.path, dtype, device);
+    check_row_fits(cfg, model->config(), model->dtype(), device, me);  // its own device's memory
     LS_LOG_INFO("trainer", "{}: model {} loaded ({}, {})", me, cfg.model.path, model::dtype_name(dtype), device.str());
 
     msg = next();
@@ -102,12 +103,23 @@ int run_dp_worker(const TrainArgs& /*args: rank 0 resolves the configuration*/, 
       const std::set<std::int64_t> keep(w.keep_versions.begin(), w.keep_versions.end());
       std::erase_if(versions, [&](const auto& kv) { return !keep.count(kv.first); });
       StepContext ctx{*model, adapter, versions, loss, cfg.batching, device};
-      ShareResult share = compute_share(ctx, w, samples_of(w.owner, env.rank));
+      ShareResult share;
+      bool failed = false;
+      try {
+        maybe_inject_fault(env.rank, w.step);
+        share = compute_share(ctx, w, samples_of(w.owner, env.rank));
+      } catch (const std::exception& e) {
+        // Rank 0 learns why through the store, and every rank leaves the collectives together.
+        failed = true;
+        std::fprintf(stderr, "lorasync train: %s: step %lld failed: %s\n", me.c_str(), static_cast<long long>(w.step), e.what());
+        dist->set("err/" + std::to_string(env.rank), e.what());
+      }
       auto params = adapter.parameters();
-      at::Tensor flat = flatten_grads(params);
-      dist->allreduce_sum(flat);
-      unflatten_grads(params, flat);
-      dist->allgather(share.to_values());
+      const Reduced red = reduce_step(*dist, params, share, failed);
+      if (!red.failed.empty()) {
+        opt.zero_grad();
+        continue;  // no rank steps; rank 0 ends the run (its next message is an abort)
+      }
       apply_gradients(opt, params, w.loss_scale, cfg.optimizer.max_grad_norm, w.lr);
     }
   } catch (const std::exception& e) {

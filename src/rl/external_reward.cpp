@@ -3,6 +3,7 @@
 #include "rl/external_reward.h"
 
 #include <fcntl.h>
+#include <linux/close_range.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -198,6 +199,9 @@ class CommandReward final : public RewardFunction {
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);
       if (dup2(sv[1], 0) < 0 || dup2(sv[1], 1) < 0) die(126);
+      // Nothing of the trainer's (the ranks' store socket, connections, files) reaches the
+      // reward's program; errpipe closes at exec as before.
+      (void)close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
       if (isolate && !isolate_network()) die(126);
       set_limit(RLIMIT_AS, mem, mem);
       set_limit(RLIMIT_CPU, cpu, cpu + 1);

@@ -4,12 +4,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <deque>
 #include <numeric>
 
 #include "core/io/safetensors.h"
+#include "core/model/perf.h"
 #include "core/model/runtime.h"
 #include "rl/packed_forward.h"
 #include "util/error.h"
@@ -135,7 +137,7 @@ std::string encode_step_work(const StepWork& w) {
   out.put("group", io::DType::kI64, group);
   out.put("member", io::DType::kI64, member);
   out.put("owner", io::DType::kI64, owner);
-  out.put("scalars", io::DType::kF64, std::vector<double>{w.temperature, w.denom, w.lr, w.loss_scale});
+  out.put("scalars", io::DType::kF64, std::vector<double>{w.temperature, w.denom, w.lr, w.loss_scale, static_cast<double>(w.step)});
   out.put("keep_versions", io::DType::kI64, w.keep_versions);
   std::vector<std::int64_t> sent;
   for (const auto& [v, ts] : w.versions) {
@@ -164,7 +166,7 @@ StepWork decode_step_work(const std::string& bytes, const std::string& label) {
              member = in.get<std::int64_t>("member", io::DType::kI64), owner = in.get<std::int64_t>("owner", io::DType::kI64);
   const auto sc = in.get<double>("scalars", io::DType::kF64);
   if (clen.size() != n || adv.size() != n || version.size() != n || group.size() != n || member.size() != n ||
-      owner.size() != n || sc.size() != 4)
+      owner.size() != n || sc.size() != 5)
     throw_invalid("{}: per-sample arrays of different lengths", label);
   std::size_t at = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -180,6 +182,7 @@ StepWork decode_step_work(const std::string& bytes, const std::string& label) {
   }
   if (at != beh.size()) throw_invalid("{}: more behaviour logprobs than completion tokens", label);
   w.temperature = sc[0], w.denom = sc[1], w.lr = sc[2], w.loss_scale = sc[3];
+  w.step = static_cast<std::int64_t>(sc[4]);
   w.keep_versions = in.get<std::int64_t>("keep_versions", io::DType::kI64);
   for (auto v : in.get<std::int64_t>("sent_versions", io::DType::kI64)) {
     auto& ts = w.versions[v];
@@ -277,6 +280,30 @@ LossConfig loss_config_of(const TrainConfig& cfg) {
   return l;
 }
 
+void check_row_fits(const TrainConfig& cfg, const model::Qwen2Config& mc, c10::ScalarType dtype, c10::Device device,
+                    const std::string& where) {
+  const auto& b = cfg.batching;
+  const std::int64_t avail = model::available_memory_bytes(device);
+  const std::int64_t need = model::training_row_bytes(mc, dtype, b.row_tokens, b.logits_chunk, b.activation_checkpointing);
+  if (avail < 0 || need <= avail) return;
+  const std::int64_t fixed = model::training_row_bytes(mc, dtype, 0, b.logits_chunk, b.activation_checkpointing);
+  const double per_token = static_cast<double>(need - fixed) / static_cast<double>(b.row_tokens);
+  const std::int64_t fits = avail > fixed ? static_cast<std::int64_t>(static_cast<double>(avail - fixed) / per_token) / 256 * 256 : 0;
+  constexpr double GiB = 1024.0 * 1024 * 1024;
+  std::string fix = fits >= cfg.generation.context_len
+                        ? fmt::format("lower batching.row_tokens to {} or less", fits)
+                        : fmt::format("lower generation.context_len and batching.row_tokens to {} or less", fits);
+  if (!b.activation_checkpointing) {
+    const std::int64_t ck = model::training_row_bytes(mc, dtype, b.row_tokens, b.logits_chunk, true);
+    fix += fmt::format(", or set batching.activation_checkpointing = true (about {:.1f} GiB per row{})", static_cast<double>(ck) / GiB,
+                       ck <= avail ? ", which fits" : "");
+  }
+  throw_invalid("{}batching.row_tokens = {} needs about {:.1f} GiB for one row's activations ({}, activation_checkpointing = {}) "
+                "but {:.1f} GiB are available on {}: {}",
+                where.empty() ? "" : where + ": ", b.row_tokens, static_cast<double>(need) / GiB, model::dtype_name(dtype),
+                b.activation_checkpointing ? "true" : "false", static_cast<double>(avail) / GiB, device.str(), fix);
+}
+
 ShareResult compute_share(const StepContext& ctx, const StepWork& w, const std::vector<std::size_t>& mine) {
   ShareResult res;
   const auto& b = ctx.batching;
@@ -297,7 +324,8 @@ ShareResult compute_share(const StepContext& ctx, const StepWork& w, const std::
         for (auto i : row) by_version[w.samples[i].version].push_back(i);
         for (const auto& [v, idx] : by_version) {
           auto it = ctx.versions.find(v);
-          LS_CHECK(it != ctx.versions.end(), "no snapshot of a version in the staleness window");
+          if (it == ctx.versions.end())
+            throw Error(ErrorKind::kInternal, fmt::format("no snapshot of version {} (in the staleness window) for the recompute pass", v));
           std::vector<PackedSample> sub;
           for (auto i : idx) sub.push_back(item(i));
           auto out = model::packed_logprobs(ctx.model, &it->second, sub, temp, b.logits_chunk);
@@ -405,6 +433,39 @@ void unflatten_grads(const std::vector<at::Tensor>& params, const at::Tensor& fl
     else p.mutable_grad() = part.clone();
   }
   LS_CHECK(at == flat.numel(), "gradient buffer of the wrong size");
+}
+
+Reduced reduce_step(DistGroup& dist, const std::vector<at::Tensor>& params, const ShareResult& mine, bool failed) {
+  at::Tensor grads = flatten_grads(params);
+  if (failed) grads.zero_();  // a share that failed part way leaves partial gradients
+  std::vector<float> flags;
+  for (const auto& p : params) flags.push_back(!failed && p.grad().defined() ? 1.0f : 0.0f);
+  flags.push_back(failed ? 1.0f : 0.0f);
+  at::Tensor flat = torch::cat({grads, torch::tensor(flags, grads.options())});
+  dist.allreduce_sum(flat);
+  std::vector<double> values = failed ? ShareResult{}.to_values() : mine.to_values();
+  values.push_back(failed ? 1.0 : 0.0);
+  auto gathered = dist.allgather(values);
+  Reduced out;
+  for (std::size_t r = 0; r < gathered.size(); ++r) {
+    if (gathered[r].back() != 0) out.failed.push_back(static_cast<int>(r));
+    gathered[r].pop_back();
+  }
+  if (!out.failed.empty()) return out;
+  const auto n = grads.numel();
+  unflatten_grads(params, flat.slice(0, 0, n));
+  const at::Tensor touched = flat.slice(0, n, n + static_cast<std::int64_t>(params.size())).to(torch::kCPU);
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (touched[static_cast<std::int64_t>(i)].item<float>() == 0) params[i].mutable_grad() = at::Tensor();
+  out.merged = ShareResult::merge(gathered, &out.imbalance);
+  return out;
+}
+
+void maybe_inject_fault(int rank, std::int64_t step) {
+  const char* v = std::getenv("LORASYNC_FAULT_STEP");
+  if (!v || !*v) return;
+  if (std::string(v) == fmt::format("{}:{}", rank, step))
+    throw Error(ErrorKind::kInternal, fmt::format("injected fault (LORASYNC_FAULT_STEP={}) in rank {}'s share of step {}", v, rank, step));
 }
 
 GradStep apply_gradients(AdamW& opt, const std::vector<at::Tensor>& params, double loss_scale, double max_norm, double lr) {

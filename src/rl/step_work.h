@@ -22,6 +22,7 @@
 #include "core/model/lora.h"
 #include "core/model/qwen2_model.h"
 #include "rl/config.h"
+#include "rl/dist.h"
 #include "rl/grpo_loss.h"
 #include "rl/optimizer.h"
 #include "rl/packing.h"
@@ -40,6 +41,7 @@ struct StepSample {
 
 struct StepWork {
   std::string kind = "step";  // step | stop | abort
+  std::int64_t step = 0;      // the trainer's step number (messages and the fault hook)
   double temperature = 1, denom = 1, lr = 0, loss_scale = 1;
   std::vector<StepSample> samples;
   std::vector<int> owner;  // rank of each sample
@@ -82,6 +84,13 @@ PackPlan plan_share(const std::vector<StepSample>& samples, const std::vector<st
 
 LossConfig loss_config_of(const TrainConfig& cfg);
 
+// Refuses (Error InvalidInput) a row that cannot fit in what `device` has left after the model:
+// model::training_row_bytes of batching.row_tokens against model::available_memory_bytes, with
+// the row length that fits and, without checkpointing, what checkpointing would need. `where`
+// names the process ("rank 1") in the message.
+void check_row_fits(const TrainConfig& cfg, const model::Qwen2Config& mc, c10::ScalarType dtype, c10::Device device,
+                    const std::string& where);
+
 struct StepContext {
   const model::Qwen2Model& model;
   model::LoraAdapter& adapter;                                   // gets gradients
@@ -106,6 +115,23 @@ ShareResult compute_share(const StepContext& ctx, const StepWork& w, const std::
 // Gradients as one flat fp32 buffer (zeros for a parameter without one) and back.
 at::Tensor flatten_grads(const std::vector<at::Tensor>& params);
 void unflatten_grads(const std::vector<at::Tensor>& params, const at::Tensor& flat);
+
+// Every rank after its share, success or not: one all-reduce of [gradients, one flag per
+// parameter that has a gradient, this rank failed], then one all-gather of the statistics. With
+// no failure the parameters hold the summed gradients (a parameter no rank touched keeps none,
+// as in one process) and `merged` the step's statistics; otherwise `failed` lists the ranks
+// whose share failed and the gradients are dropped, so every rank leaves the collectives
+// together and no rank steps. A failed rank's error goes to the store first (`err/<rank>`).
+struct Reduced {
+  ShareResult merged;
+  double imbalance = 1;
+  std::vector<int> failed;
+};
+Reduced reduce_step(DistGroup& dist, const std::vector<at::Tensor>& params, const ShareResult& mine, bool failed);
+
+// Test hook (docs/trainer.md, "Data-parallel ranks"): LORASYNC_FAULT_STEP="RANK:STEP" makes that
+// rank's share of that step throw, to exercise the failure paths of a real run.
+void maybe_inject_fault(int rank, std::int64_t step);
 
 // Unscale (fp16 loss scale), clip to max_norm, and step when the norm is finite; zeroes the grads.
 struct GradStep {

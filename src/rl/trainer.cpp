@@ -116,6 +116,11 @@ void Trainer::load_model_and_data() {
   tokenizer_ = tok::Tokenizer::load(mp);
   model_ = model::Qwen2Model::load(mp, dtype, device_);
   base_sha_ = io::model_identity_sha256(mp);
+  try {
+    check_row_fits(cfg_, model_->config(), model_->dtype(), device_, "");
+  } catch (const Error& e) {
+    refuse(e.what());
+  }
   DatasetOptions dopt;
   dopt.problem_key = cfg_.data.problem_key;
   dopt.answer_key = cfg_.data.answer_key;

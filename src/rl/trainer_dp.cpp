@@ -17,7 +17,7 @@ void Trainer::dp_send_config() {
   if (cfg_.batching.samples_per_step < 2 * world)
     LS_LOG_WARN("trainer", "batching.samples_per_step = {} over {} ranks: {} sample(s) per rank per step leave the ranks "
                 "badly balanced", cfg_.batching.samples_per_step, world, cfg_.batching.samples_per_step / world);
-  dist_->set("msg/" + std::to_string(dp_seq_++), encode_config(cfg_.to_toml()));
+  dp_post(encode_config(cfg_.to_toml()));
 }
 
 void Trainer::dp_send_init() {
@@ -28,7 +28,7 @@ void Trainer::dp_send_init() {
   s.exp_avg = opt_->exp_avg();
   s.exp_avg_sq = opt_->exp_avg_sq();
   s.optimizer_steps = opt_->steps();
-  dist_->set("msg/" + std::to_string(dp_seq_++), encode_init(s));
+  dp_post(encode_init(s));
 }
 
 void Trainer::dp_send_step(StepWork& w) {
@@ -36,14 +36,41 @@ void Trainer::dp_send_step(StepWork& w) {
   std::set<std::int64_t> need;
   if (loss_cfg_.old_policy == OldPolicy::kRecompute)
     for (const auto& s : w.samples) need.insert(s.version);
-  for (auto v : need)
-    if (!dp_versions_.count(v)) w.versions[v] = version_adapters_.at(v).parameters();
+  for (auto v : need) {
+    if (dp_versions_.count(v)) continue;
+    auto it = version_adapters_.find(v);
+    if (it == version_adapters_.end())
+      throw Error(ErrorKind::kInternal, fmt::format("no snapshot of version {} for the other ranks' recompute pass", v));
+    w.versions[v] = it->second.parameters();
+  }
   w.keep_versions.assign(need.begin(), need.end());
   dp_versions_ = need;
   // Every earlier message has been read by every rank: the last step's all-reduce completed.
   if (dp_seq_ > 2) dist_->erase("msg/" + std::to_string(dp_seq_ - 1));
   if (dp_seq_ == 3) dist_->erase("msg/0"), dist_->erase("msg/1");
-  dist_->set("msg/" + std::to_string(dp_seq_++), encode_step_work(w));
+  dp_post(encode_step_work(w));
+}
+
+void Trainer::dp_post(const std::string& bytes) {
+  dist_->set("msg/" + std::to_string(dp_seq_), bytes);
+  ++dp_seq_;  // only once it is there: a failed post is retried under the same number (abort)
+}
+
+std::string Trainer::dp_failure(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) {
+    std::string why = "no error recorded";
+    if (r == 0) continue;
+    try {
+      const double until = now_s() + 10;
+      if (auto e = dist_->get_wait("err/" + std::to_string(r), r, [&] { return now_s() > until; })) why = *e;
+      dist_->erase("err/" + std::to_string(r));
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    out += fmt::format("{}data-parallel rank {} failed in step {}: {}", out.empty() ? "" : "; ", r, step_, why);
+  }
+  return out;
 }
 
 void Trainer::dp_check_peers() {
@@ -62,10 +89,10 @@ void Trainer::dp_finish(const std::string& kind, const std::string& message) noe
     StepWork w;
     w.kind = kind;
     w.message = message;
-    dist_->set("msg/" + std::to_string(dp_seq_++), encode_step_work(w));
+    dp_post(encode_step_work(w));
     // Rank 0 hosts the store (unless the launcher does): wait until every rank has read the
-    // message, or has stopped answering, before it goes.
-    const double deadline = now_s() + 60;
+    // message, for as long as it still has a heartbeat (a rank may be loading a large model).
+    const double deadline = now_s() + DistOptions::from_environment().timeout_s;
     for (int r = 1; r < dist_->world(); ++r) {
       auto gone = [&] {
         if (now_s() > deadline) return true;

@@ -190,6 +190,8 @@ class Trainer {
   void dp_send_step(StepWork& w);    // this step's work, with the snapshots the ranks lack
   void dp_finish(const std::string& kind, const std::string& message) noexcept;  // stop | abort
   void dp_check_peers();             // throws naming a rank whose heartbeat stopped
+  void dp_post(const std::string& bytes);              // the next message
+  std::string dp_failure(const std::vector<int>& ranks);  // "rank 1 failed in step 3: ..."
 
   TrainArgs args_;
   TrainConfig cfg_;

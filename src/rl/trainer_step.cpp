@@ -121,18 +121,29 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   w.loss_scale = loss_scale_;
   const int world = dist_ ? dist_->world() : 1;
   w.owner = assign_ranks(w.samples, world, model_->config());
+  w.step = step_;
   if (dist_) dp_send_step(w);
-  // This rank's share (all of it with one rank), then the gradients summed across ranks.
+  // This rank's share (all of it with one rank), then the gradients summed across ranks; a share
+  // that fails still joins the collectives, so every rank leaves the step together.
   StepContext ctx{*model_, adapter_, version_adapters_, loss_cfg_, cfg.batching, device_};
-  ShareResult share = compute_share(ctx, w, samples_of(w.owner, 0));
+  ShareResult share;
+  std::exception_ptr failure;
+  try {
+    maybe_inject_fault(0, step_);
+    share = compute_share(ctx, w, samples_of(w.owner, 0));
+  } catch (...) {
+    if (!dist_) throw;
+    failure = std::current_exception();
+  }
   auto params = adapter_.parameters();
   double dp_imbalance = 1.0;
   const double c0 = now_s();
   if (dist_) {
-    at::Tensor flat = flatten_grads(params);
-    dist_->allreduce_sum(flat);
-    unflatten_grads(params, flat);
-    share = ShareResult::merge(dist_->allgather(share.to_values()), &dp_imbalance);
+    Reduced red = reduce_step(*dist_, params, share, failure != nullptr);
+    if (failure) std::rethrow_exception(failure);
+    if (!red.failed.empty()) throw Error(ErrorKind::kInternal, dp_failure(red.failed));
+    share = std::move(red.merged);
+    dp_imbalance = red.imbalance;
   }
   const double comm_s = now_s() - c0;
   const LossStats& stats = share.stats;

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -54,16 +55,14 @@ std::vector<std::pair<int, int>> trained_groups(const fs::path& out) {
   return g;
 }
 
-// The child of `parent` whose environment says RANK=<rank>.
-pid_t rank_pid(pid_t parent, int rank) {
-  std::ifstream children("/proc/" + std::to_string(parent) + "/task/" + std::to_string(parent) + "/children");
-  pid_t p = 0;
-  while (children >> p) {
-    const std::string env = read_file("/proc/" + std::to_string(p) + "/environ");
-    if (env.find(std::string("\0RANK=", 6) + std::to_string(rank) + std::string("\0", 1)) != std::string::npos) return p;
-  }
-  return 0;
+// The pid of `rank`, from the launcher's start line ("... rank 1 pid 1234 ...").
+pid_t rank_pid(const std::string& launcher_stderr, int rank) {
+  std::smatch m;
+  const std::regex re("rank " + std::to_string(rank) + " pid ([0-9]+)");
+  return std::regex_search(launcher_stderr, m, re) ? static_cast<pid_t>(std::stol(m[1])) : 0;
 }
+
+std::string with_env(const std::string& env, const std::string& args) { return env + " " + std::string(LORASYNC_BINARY) + " " + args; }
 
 TEST(TrainDataParallel, TwoRanksTrainTheSameAdapterAsOne) {
   DeterministicServer fa, fb;
@@ -99,8 +98,9 @@ TEST(TrainDataParallel, TwoRanksTrainTheSameAdapterAsOne) {
 }
 
 TEST(TrainDataParallel, AKilledRankLeavesACheckpointThatResumesOnOneRankWithoutReplayOrSkip) {
+  constexpr int kSteps = 30;  // long enough that the run cannot end before the kill lands
   DeterministicServer fa, fb;
-  TrainRun ref(fa.port(), 10), run(fb.port(), 10);
+  TrainRun ref(fa.port(), kSteps), run(fb.port(), kSteps);
   make_ordered(ref);
   make_ordered(run);
   auto r = testing::run_lorasync("train --config " + testing::shell_quote(ref.config.string()));
@@ -112,8 +112,8 @@ TEST(TrainDataParallel, AKilledRankLeavesACheckpointThatResumesOnOneRankWithoutR
     auto steps = [&] { return fs::exists(metrics) ? testing::read_jsonl(metrics).size() : 0u; };
     for (int i = 0; i < 1200 && steps() < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     ASSERT_GE(steps(), 3u) << train.stderr_text();
-    const pid_t rank1 = rank_pid(train.pid(), 1);
-    ASSERT_GT(rank1, 0) << "no child with RANK=1";
+    const pid_t rank1 = rank_pid(train.stderr_text(), 1);
+    ASSERT_GT(rank1, 0) << train.stderr_text();
     ::kill(rank1, SIGKILL);
     auto code = train.wait_exit(120);
     ASSERT_TRUE(code.has_value()) << train.stderr_text();
@@ -122,22 +122,52 @@ TEST(TrainDataParallel, AKilledRankLeavesACheckpointThatResumesOnOneRankWithoutR
     EXPECT_NE(err.find("rank 1 (pid " + std::to_string(rank1) + ") was killed by signal 9"), std::string::npos) << err;
     EXPECT_NE(err.find("rank 1 stopped answering"), std::string::npos) << err;
     ASSERT_TRUE(fs::exists(run.out / "checkpoints" / "latest")) << err;
-    EXPECT_LT(steps(), 10u) << "the kill came after the run ended";
+    EXPECT_LT(steps(), static_cast<std::size_t>(kSteps)) << "the kill came after the run ended";
   }
   // The checkpoint resumes on one rank: every step once, the same groups as the reference run.
   auto resumed = testing::run_lorasync("train --resume --config " + testing::shell_quote(run.config.string()));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   auto metrics = testing::read_jsonl(run.out / "metrics.jsonl");
-  ASSERT_EQ(metrics.size(), 10u);
+  ASSERT_EQ(metrics.size(), static_cast<std::size_t>(kSteps));
   for (std::size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i]["step"], static_cast<int>(i) + 1);
   EXPECT_EQ(metrics.back()["restarts"], 1);
   const auto want = trained_groups(ref.out), got = trained_groups(run.out);
   EXPECT_EQ(got, want) << "a group replayed, skipped or reordered";
-  std::set<std::pair<int, int>> unique(got.begin(), got.end());
-  EXPECT_EQ(unique.size(), got.size());
   const double diff = max_adapter_diff(ref.out / "final_adapter", run.out / "final_adapter");
   std::printf("figure: killed at 2 ranks, resumed on 1, vs 1 rank throughout: max |diff| = %.3g\n", diff);
   EXPECT_LE(diff, 1e-5);
+}
+
+// A rank whose share of a step fails (the test hook LORASYNC_FAULT_STEP) stops the run: every
+// rank leaves the step's collectives, none steps, rank 0 reports that rank's error, checkpoints
+// the last complete step and tells the others to go; the run then resumes.
+TEST(TrainDataParallel, AFailedShareOnAnyRankStopsTheRunWithThatError) {
+  DeterministicServer fake;
+  TrainRun run(fake.port(), 6);
+  make_ordered(run);
+  const std::string args = "train --nproc-per-node 2 --config " + testing::shell_quote(run.config.string());
+  auto r = testing::run_command(with_env("LORASYNC_FAULT_STEP=1:3", args));
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("data-parallel rank 1 failed in step 3: injected fault"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 1: rank 0 stopped the run"), std::string::npos) << r.err;
+  EXPECT_EQ(testing::read_jsonl(run.out / "metrics.jsonl").size(), 2u);
+  EXPECT_EQ(read_file(run.out / "checkpoints" / "latest"), "step-000002\n");
+  // Rank 0's own share failing releases the others at once (they are inside the collectives).
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r0 = testing::run_command(with_env("LORASYNC_FAULT_STEP=0:4", "train --resume --nproc-per-node 2 --config " +
+                                                                       testing::shell_quote(run.config.string())));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r0.exit_code, 1) << r0.err;
+  EXPECT_NE(r0.err.find("injected fault (LORASYNC_FAULT_STEP=0:4) in rank 0's share of step 4"), std::string::npos) << r0.err;
+  EXPECT_NE(r0.err.find("rank 1: rank 0 stopped the run: injected fault"), std::string::npos) << r0.err;
+  EXPECT_LT(took, 60.0) << "the ranks waited on each other";
+  EXPECT_EQ(read_file(run.out / "checkpoints" / "latest"), "step-000003\n");
+  auto done = testing::run_lorasync("train --resume --nproc-per-node 2 --config " + testing::shell_quote(run.config.string()));
+  ASSERT_EQ(done.exit_code, 0) << done.err;
+  auto metrics = testing::read_jsonl(run.out / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 6u);
+  std::set<std::pair<int, int>> seen;
+  for (const auto& g : trained_groups(run.out)) EXPECT_TRUE(seen.insert(g).second) << "trained twice";
 }
 
 TEST(TrainDataParallel, MoreRanksThanSamplesPerStepIsRefusedAtStart) {

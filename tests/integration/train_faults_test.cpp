@@ -281,5 +281,18 @@ TEST(TrainFaults, AGroupInRetryBackoffIsNotCancelledAsStale) {
   EXPECT_TRUE(trained) << read_file(run.out / "groups.jsonl");
 }
 
+// A row that cannot fit in memory is refused at start (exit 2), with the numbers to change.
+TEST(TrainFaults, ARowThatCannotFitInMemoryIsRefusedAtStart) {
+  DeterministicServer fake;
+  TrainRun run(fake.port(), 2);
+  auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()) +
+                                 " --set batching.row_tokens=2000000000");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("batching.row_tokens = 2000000000 needs about"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("GiB are available on cpu: lower batching.row_tokens to"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("or set batching.activation_checkpointing = true"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(run.out / "checkpoints")) << "refused before anything ran";
+}
+
 }  // namespace
 }  // namespace lorasync

@@ -8,7 +8,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <memory>
+#include <sstream>
+#include <string>
 
 namespace lorasync::model {
 
@@ -27,6 +30,65 @@ std::int64_t peak_device_memory(c10::Device device) {
 
 void reset_peak_device_memory(c10::Device device) {
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+}
+
+std::int64_t training_row_bytes(const Qwen2Config& c, c10::ScalarType dtype, std::int64_t tokens,
+                                std::int64_t logits_chunk, bool checkpointing) {
+  const double b = static_cast<double>(c10::elementSize(dtype));
+  const double d = static_cast<double>(c.hidden_size), q = static_cast<double>(c.q_dim()),
+               kv = static_cast<double>(c.num_key_value_heads * c.head_dim), i = static_cast<double>(c.intermediate_size);
+  const double L = static_cast<double>(c.num_hidden_layers);
+  const double kept = (4 * d + 3 * q + 3 * kv + 4 * i) * b, backward = 2 * i * b, ends = 3 * d * b;
+  const double per_token = checkpointing ? L * d * b + kept + backward + ends : L * kept + backward + ends;
+  const double head = static_cast<double>(std::max<std::int64_t>(1, logits_chunk)) * static_cast<double>(c.vocab_size) * 4;
+  return static_cast<std::int64_t>(per_token * static_cast<double>(tokens) + head);
+}
+
+namespace {
+
+// "/proc/meminfo"-style "Key: N kB" value in bytes, or -1.
+std::int64_t meminfo_bytes(const std::string& key) {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind(key + ":", 0) != 0) continue;
+    std::istringstream in(line.substr(key.size() + 1));
+    std::int64_t kb = -1;
+    in >> kb;
+    return kb < 0 ? -1 : kb * 1024;
+  }
+  return -1;
+}
+
+std::int64_t file_number(const char* path) {
+  std::ifstream f(path);
+  std::string v;
+  if (!(f >> v) || v == "max") return -1;
+  try {
+    return std::stoll(v);
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+std::int64_t available_memory_bytes(c10::Device device) {
+  if (device.is_cuda()) {
+    const auto idx = device.index() < 0 ? 0 : device.index();
+    auto* alloc = c10::cuda::CUDACachingAllocator::get();
+    if (alloc == nullptr) return -1;
+    const auto [free, total] = alloc->getMemoryInfo(idx);
+    (void)total;
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(idx);
+    const auto agg = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const std::int64_t unused = stats.reserved_bytes[agg].current - stats.allocated_bytes[agg].current;
+    return static_cast<std::int64_t>(free) + std::max<std::int64_t>(0, unused);
+  }
+  std::int64_t avail = meminfo_bytes("MemAvailable");
+  const std::int64_t limit = file_number("/sys/fs/cgroup/memory.max"), used = file_number("/sys/fs/cgroup/memory.current");
+  if (limit > 0 && used >= 0) avail = avail < 0 ? limit - used : std::min(avail, limit - used);
+  return avail;
 }
 
 double gemm_gflops(std::int64_t m, std::int64_t n, std::int64_t k, c10::ScalarType dtype,

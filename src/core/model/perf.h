@@ -48,6 +48,27 @@ class CpuTensorMeter {
   Impl* impl_;
 };
 
+// Peak bytes of the tensors one training row of `tokens` tokens holds (forward + backward through
+// a LoRA, the LM head at its completion positions in chunks of `logits_chunk` rows, activations
+// in `dtype`), from a count of what each decoder layer keeps for its backward pass:
+//   kept per layer and token  k = (4 d + 3 q + 3 kv + 4 i) b     (norm inputs/outputs, q/k/v
+//                                 before and after RoPE, attention output, gate/up/SiLU/product)
+//   one layer's backward adds 2 i b (the gradients of gate and up)
+//   keeping activations:      tokens (n_layers k + 2 i b + 3 d b)
+//   checkpointed layers:      tokens (n_layers d b + k + 2 i b + 3 d b)   (layer inputs + one layer)
+//   plus one LM-head chunk    logits_chunk V 4
+// (b = bytes of dtype). Measured at the 1.5B shape in fp32 with checkpointing and 128-row chunks
+// (bench train, docs/benchmarks.md): 0.429 MiB per token; this gives 0.431, and 3-31% more than
+// the measured totals (the chunk's term). Weights, the optimizer and the allocator's slack are not
+// in it.
+std::int64_t training_row_bytes(const Qwen2Config& c, c10::ScalarType dtype, std::int64_t tokens,
+                                std::int64_t logits_chunk, bool checkpointing);
+
+// Bytes a training step can still allocate on `device`: on CPU the kernel's MemAvailable, bounded
+// by the cgroup's memory limit less its usage; on CUDA the device's free memory plus what the
+// caching allocator holds unused. -1 when unknown.
+std::int64_t available_memory_bytes(c10::Device device);
+
 // Synchronises the device (CUDA) so wall-clock timings are real; no-op on CPU.
 void device_synchronize(c10::Device device);
 

@@ -207,6 +207,35 @@ TEST(TrainingMemory, CheckpointingKeepsLessThanKeepingActivations) {
   EXPECT_LT(static_cast<double>(ckpt), 0.5 * static_cast<double>(keep)) << keep << " vs " << ckpt;
 }
 
+// The estimate that refuses rows that cannot fit (training_row_bytes) against the measured peak of
+// tensors, on a small model (both modes) and at the measured 1.5B points (bench train, fp32,
+// checkpointed, 128-row chunks: 711 / 2394 MiB of step tensors at 1,659 / 5,583 tokens): never
+// far below (a refusal would come too late) nor far above (it would refuse what fits).
+TEST(TrainingMemory, RowEstimateBracketsTheMeasuredPeak) {
+  auto c = small_cfg();
+  c.vocab_size = 4096;
+  auto m = Qwen2Model::from_named(c, random_weights(c, 7, at::kFloat, 0.05), at::kFloat, at::kCPU);
+  auto a = trained_like(c, at::kFloat);
+  for (bool ckpt : {false, true}) {
+    const double measured = static_cast<double>(peak_bytes_for_row(*m, a, 2048, ckpt));
+    const double est = static_cast<double>(training_row_bytes(c, at::kFloat, 2048, 128, ckpt));
+    EXPECT_GT(est / measured, 0.7) << (ckpt ? "checkpointed " : "kept ") << est << " vs " << measured;
+    EXPECT_LT(est / measured, 2.0) << (ckpt ? "checkpointed " : "kept ") << est << " vs " << measured;
+  }
+  const auto big = Qwen2Config::preset("qwen2.5-1.5b-shape");
+  constexpr double MiB = 1024.0 * 1024;
+  for (auto [tokens, mib] : {std::pair<std::int64_t, double>{1659, 711}, {5583, 2394}}) {
+    const double r = static_cast<double>(training_row_bytes(big, at::kFloat, tokens, 128, true)) / MiB / mib;
+    EXPECT_GT(r, 0.95) << tokens << " tokens";
+    EXPECT_LT(r, 1.4) << tokens << " tokens";
+  }
+  // Checkpointing needs far less per token; bf16 half of fp32.
+  EXPECT_LT(training_row_bytes(big, at::kFloat, 16384, 128, true), training_row_bytes(big, at::kFloat, 16384, 128, false) / 5);
+  EXPECT_NEAR(static_cast<double>(training_row_bytes(big, at::kBFloat16, 16384, 1, true)),
+              static_cast<double>(training_row_bytes(big, at::kFloat, 16384, 1, true)) / 2, 1e6);
+  EXPECT_GT(available_memory_bytes(at::kCPU), std::int64_t{64} << 20);
+}
+
 TEST(CpuBlockCache, FreedLargeBlocksAreReusedUpToTheCap) {
   use_cpu_block_cache(std::size_t{64} << 20);
   void* first = nullptr;

@@ -251,5 +251,34 @@ TEST(StepWork, SharesSumToTheWholeStepsGradients) {
   EXPECT_EQ(adapter.parameters()[1].grad().reshape({-1})[0].item<float>(), static_cast<float>(adapter.parameters()[0].numel()));
 }
 
+// The store carries values of any size: the libuv TCPStore drops a connection that sends more
+// than 8 MiB at once, so large messages (a rank-64 adapter's init state, a step with snapshots)
+// go in chunks. A one-rank group on a free port, with its own store.
+TEST(DistGroup, ValuesLargerThanTheStoresPayloadLimitRoundTrip) {
+  DistEnv env;
+  env.world = 1;
+  env.master_port = 0;  // the store picks a free port
+  DistOptions opts;
+  opts.timeout_s = 30;
+  auto dist = DistGroup::connect(env, opts);
+  std::string big(std::size_t{21} << 20, '\0');
+  std::mt19937 rng(1);
+  for (auto& c : big) c = static_cast<char>(rng());
+  dist->set("msg/big", big);
+  dist->set("msg/small", "x");
+  auto back = dist->get_wait("msg/big", -1, nullptr);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_TRUE(*back == big);
+  EXPECT_EQ(dist->get_wait("msg/small", -1, nullptr), std::optional<std::string>("x"));
+  EXPECT_EQ(dist->get_wait("msg/none", -1, [] { return true; }), std::nullopt);
+  dist->erase("msg/big");
+  EXPECT_EQ(dist->get_wait("msg/big", -1, [] { return true; }), std::nullopt);
+  // A one-rank all-reduce is the identity; every rank is alive.
+  at::Tensor t = torch::arange(5, torch::kFloat32);
+  dist->allreduce_sum(t);
+  EXPECT_EQ(t[4].item<float>(), 4.0f);
+  EXPECT_TRUE(dist->silent_ranks().empty());
+}
+
 }  // namespace
 }  // namespace lorasync::rl
