@@ -22,6 +22,11 @@
 
 namespace lorasync::rl {
 
+#ifdef LORASYNC_DIST_NCCL
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
+                                                    int rank, int world, std::chrono::milliseconds timeout);  // dist_nccl.cpp
+#endif
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -80,6 +85,7 @@ struct DistGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;      // the trainer thread's connection
   c10::intrusive_ptr<c10d::Store> hb_store;   // the heartbeat's (and liveness checks')
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  c10::intrusive_ptr<c10d::Backend> nccl;  // CUDA ranks, where built with NCCL
   std::mutex hb_mu;  // hb_store, seen, moved_at
   std::vector<std::int64_t> seen;
   std::vector<Clock::time_point> moved_at;
@@ -147,6 +153,20 @@ std::unique_ptr<DistGroup> DistGroup::connect(const DistEnv& env, const DistOpti
   LS_LOG_INFO("dist", "rank {} of {} joined (store {}:{}{})", env.rank, env.world, env.master_addr, env.master_port,
               so.isServer ? ", hosted here" : "");
   return std::unique_ptr<DistGroup>(new DistGroup(std::move(im)));
+}
+
+std::string DistGroup::use_device(c10::Device device) {
+  if (!device.is_cuda()) return "gloo";
+  const char* want = std::getenv("LORASYNC_DIST_BACKEND");
+  if (want && std::string(want) == "gloo") return "gloo (LORASYNC_DIST_BACKEND)";
+#ifdef LORASYNC_DIST_NCCL
+  if (!impl_->nccl)
+    impl_->nccl = make_nccl_backend(impl_->store, impl_->env.key_prefix, rank(), world(), ms(impl_->opts.timeout_s));
+  return "nccl";
+#else
+  if (want && std::string(want) == "nccl") throw_invalid("LORASYNC_DIST_BACKEND=nccl but this build has no NCCL (nccl.h was not found)");
+  return "gloo (this build has no NCCL)";
+#endif
 }
 
 int DistGroup::rank() const { return impl_->env.rank; }
@@ -237,6 +257,15 @@ std::optional<std::string> DistGroup::get_wait(const std::string& key, int watch
 
 void DistGroup::allreduce_sum(at::Tensor& flat) {
   LS_CHECK(flat.is_contiguous(), "allreduce_sum needs a contiguous tensor");
+  if (flat.is_cuda() && impl_->nccl) {
+    std::vector<at::Tensor> ts{flat};
+    try {
+      impl_->nccl->allreduce(ts)->wait();  // the current stream waits for NCCL's
+    } catch (const std::exception& e) {
+      throw Error(ErrorKind::kUnavailable, describe_failure("the gradient all-reduce (NCCL)", e));
+    }
+    return;
+  }
   at::Tensor host = flat.is_cpu() ? flat : flat.to(torch::kCPU);
   std::vector<at::Tensor> ts{host};
   try {

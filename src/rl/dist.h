@@ -1,7 +1,7 @@
-// rl/dist.h: the data-parallel ranks of `lorasync train` (docs/trainer.md "Data-parallel ranks") on c10d: a TCPStore for
-// rendezvous, messages and heartbeats, and a Gloo process group for the collectives (gradients
-// all-reduced, per-rank statistics gathered). CUDA tensors are staged through host memory: the
-// collectives carry LoRA gradients (a few MB), not activations.
+// rl/dist.h: the data-parallel ranks of `lorasync train` (docs/trainer.md "Data-parallel ranks")
+// on c10d: a TCPStore for rendezvous, messages and heartbeats, a Gloo process group for the
+// statistics and CPU gradients, and an NCCL one for CUDA gradients where the build has NCCL
+// (otherwise CUDA gradients are staged through host memory: a LoRA's few MB).
 //
 // Ranks come from the standard launcher variables (torchrun, SLURM via srun wrappers, Kubernetes,
 // or `lorasync train --nproc-per-node N`, which sets them for its children):
@@ -17,6 +17,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <chrono>
 #include <cstdint>
@@ -53,6 +54,11 @@ class DistGroup {
   ~DistGroup();
   DistGroup(const DistGroup&) = delete;
   DistGroup& operator=(const DistGroup&) = delete;
+
+  // The gradient all-reduce for tensors on `device`: NCCL for CUDA where the build has it
+  // (LORASYNC_DIST_BACKEND=gloo keeps Gloo), Gloo otherwise. Every rank calls it with its device
+  // before the first step. Returns the backend's name, for the log.
+  std::string use_device(c10::Device device);
 
   int rank() const;
   int world() const;

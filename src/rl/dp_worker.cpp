@@ -56,6 +56,7 @@ int run_dp_worker(const TrainArgs& /*args: rank 0 resolves the configuration*/, 
     const TrainConfig cfg = TrainConfig::parse(decode_config(msg, me + " msg/0"), "rank 0's configuration");
     c10::Device device = model::parse_device(cfg.model.device);
     if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+    dist->use_device(device);
     const auto dtype = model::parse_dtype(cfg.model.dtype, device, "model.dtype");
     if (device.is_cpu()) {
       const int threads = cfg.model.threads > 0 ? static_cast<int>(cfg.model.threads)

@@ -358,6 +358,7 @@ ShareResult compute_share(const StepContext& ctx, const StepWork& w, const std::
     }
     const double f0 = now_s();
     auto out = packed_row_logprobs(ctx.model, &ctx.adapter, sub, temp, b.logits_chunk, b.activation_checkpointing);
+    if (ctx.device.is_cuda()) model::device_synchronize(ctx.device);  // the forward's time, not its launch
     res.fwd_s += now_s() - f0;
     const auto fdt = out.logprobs.scalar_type();
     TokenInputs in;

@@ -104,6 +104,7 @@ void Trainer::prepare_output() {
 void Trainer::load_model_and_data() {
   device_ = model::parse_device(cfg_.model.device);
   if (dist_env_ && device_.is_cuda()) device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dist_env_->local_rank));
+  if (dist_) LS_LOG_INFO("trainer", "data-parallel gradients all-reduced by {}", dist_->use_device(device_));
   const auto dtype = model::parse_dtype(cfg_.model.dtype, device_, "model.dtype");
   const int threads = cfg_.model.threads > 0 ? static_cast<int>(cfg_.model.threads)
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

@@ -58,7 +58,7 @@ class CpuTensorMeter {
 //   checkpointed layers:      tokens (n_layers d b + k + 2 i b + 3 d b)   (layer inputs + one layer)
 //   plus one LM-head chunk    logits_chunk V 4
 // (b = bytes of dtype). Measured at the 1.5B shape in fp32 with checkpointing and 128-row chunks
-// (bench train, docs/benchmarks.md): 0.429 MiB per token; this gives 0.431, and 3-31% more than
+// (bench train, docs/benchmarks.md): 0.429 MiB per token; this gives 0.431, and 4-11% more than
 // the measured totals (the chunk's term). Weights, the optimizer and the allocator's slack are not
 // in it.
 std::int64_t training_row_bytes(const Qwen2Config& c, c10::ScalarType dtype, std::int64_t tokens,
