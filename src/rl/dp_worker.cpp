@@ -54,16 +54,9 @@ int run_dp_worker(const TrainArgs& /*args: rank 0 resolves the configuration*/, 
       return finish(w.kind, w.message);
     }
     const TrainConfig cfg = TrainConfig::parse(decode_config(msg, me + " msg/0"), "rank 0's configuration");
-    c10::Device device = model::parse_device(cfg.model.device);
-    if (device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+    const c10::Device device = prepare_training_device(cfg, env.local_rank);
     dist->use_device(device);
     const auto dtype = model::parse_dtype(cfg.model.dtype, device, "model.dtype");
-    if (device.is_cpu()) {
-      const int threads = cfg.model.threads > 0 ? static_cast<int>(cfg.model.threads)
-                                                : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-      model::set_compute_threads(threads);
-      model::use_cpu_block_cache(model::default_cpu_block_cache_bytes());
-    }
     auto model = model::Qwen2Model::load(cfg.model.path, dtype, device);
     check_row_fits(cfg, model->config(), model->dtype(), device, me);  // its own device's memory
     LS_LOG_INFO("trainer", "{}: model {} loaded ({}, {})", me, cfg.model.path, model::dtype_name(dtype), device.str());

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <numeric>
+#include <thread>
 
 #include "core/io/safetensors.h"
 #include "core/model/perf.h"
@@ -278,6 +279,17 @@ LossConfig loss_config_of(const TrainConfig& cfg) {
   l.beta = cfg.grpo.beta;
   l.old_policy = parse_old_policy(cfg.grpo.old_policy);
   return l;
+}
+
+c10::Device prepare_training_device(const TrainConfig& cfg, int local_rank) {
+  c10::Device device = model::parse_device(cfg.model.device);
+  if (local_rank >= 0 && device.is_cuda()) device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+  if (device.is_cpu()) {
+    model::set_compute_threads(cfg.model.threads > 0 ? static_cast<int>(cfg.model.threads)
+                                                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    model::use_cpu_block_cache(model::default_cpu_block_cache_bytes());  // activations reused row to row
+  }
+  return device;
 }
 
 void check_row_fits(const TrainConfig& cfg, const model::Qwen2Config& mc, c10::ScalarType dtype, c10::Device device,

@@ -84,6 +84,11 @@ PackPlan plan_share(const std::vector<StepSample>& samples, const std::vector<st
 
 LossConfig loss_config_of(const TrainConfig& cfg);
 
+// The device a rank trains on: model.device, as cuda:local_rank for a data-parallel CUDA rank
+// (local_rank >= 0); on CPU it also sets the compute threads (model.threads, 0 = all cores) and
+// installs the block cache that reuses activations row to row.
+c10::Device prepare_training_device(const TrainConfig& cfg, int local_rank);
+
 // Refuses (Error InvalidInput) a row that cannot fit in what `device` has left after the model:
 // model::training_row_bytes of batching.row_tokens against model::available_memory_bytes, with
 // the row length that fits and, without checkpointing, what checkpointing would need. `where`

@@ -102,16 +102,9 @@ void Trainer::prepare_output() {
 }
 
 void Trainer::load_model_and_data() {
-  device_ = model::parse_device(cfg_.model.device);
-  if (dist_env_ && device_.is_cuda()) device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dist_env_->local_rank));
+  device_ = prepare_training_device(cfg_, dist_env_ ? dist_env_->local_rank : -1);
   if (dist_) LS_LOG_INFO("trainer", "data-parallel gradients all-reduced by {}", dist_->use_device(device_));
   const auto dtype = model::parse_dtype(cfg_.model.dtype, device_, "model.dtype");
-  const int threads = cfg_.model.threads > 0 ? static_cast<int>(cfg_.model.threads)
-                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (device_.is_cpu()) {
-    model::set_compute_threads(threads);
-    model::use_cpu_block_cache(model::default_cpu_block_cache_bytes());  // activations reused row to row
-  }
   const fs::path mp = cfg_.model.path;
   if (!fs::exists(mp / "config.json")) refuse("model.path " + mp.string() + ": no config.json (expected a local Hugging Face directory)");
   tokenizer_ = tok::Tokenizer::load(mp);

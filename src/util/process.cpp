@@ -4,6 +4,8 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <fstream>
+#include <string>
 
 namespace lorasync {
 
@@ -36,6 +38,32 @@ std::size_t connection_budget() {
   const std::size_t n = open_file_limit();
   const std::size_t reserve = 64 + n / 8;
   return std::max<std::size_t>(16, n > reserve ? n - reserve : 0);
+}
+
+namespace {
+
+// The first of `files` holding a number ("max" and absent files are skipped), or -1.
+std::int64_t first_number(std::initializer_list<const char*> files) {
+  for (const char* f : files) {
+    std::ifstream in(f);
+    std::string v;
+    if (!(in >> v) || v == "max") continue;
+    try {
+      return std::stoll(v);
+    } catch (const std::exception&) {
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::int64_t cgroup_memory_limit() {
+  return first_number({"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"});
+}
+
+std::int64_t cgroup_memory_usage() {
+  return first_number({"/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"});
 }
 
 }  // namespace lorasync

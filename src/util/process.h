@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace lorasync {
 
@@ -17,5 +18,10 @@ std::size_t open_file_limit();
 // Descriptors a server may spend on connections: what the open-file limit leaves after a reserve
 // for everything else (model files, logs, pools), at least 16.
 std::size_t connection_budget();
+
+// This process's container memory limit and usage in bytes (cgroup v2, then v1); -1 when there
+// is none (or "max").
+std::int64_t cgroup_memory_limit();
+std::int64_t cgroup_memory_usage();
 
 }  // namespace lorasync

@@ -13,6 +13,8 @@
 #include <sstream>
 #include <string>
 
+#include "util/process.h"
+
 namespace lorasync::model {
 
 void device_synchronize(c10::Device device) {
@@ -60,17 +62,6 @@ std::int64_t meminfo_bytes(const std::string& key) {
   return -1;
 }
 
-std::int64_t file_number(const char* path) {
-  std::ifstream f(path);
-  std::string v;
-  if (!(f >> v) || v == "max") return -1;
-  try {
-    return std::stoll(v);
-  } catch (const std::exception&) {
-    return -1;
-  }
-}
-
 }  // namespace
 
 std::int64_t available_memory_bytes(c10::Device device) {
@@ -86,7 +77,7 @@ std::int64_t available_memory_bytes(c10::Device device) {
     return static_cast<std::int64_t>(free) + std::max<std::int64_t>(0, unused);
   }
   std::int64_t avail = meminfo_bytes("MemAvailable");
-  const std::int64_t limit = file_number("/sys/fs/cgroup/memory.max"), used = file_number("/sys/fs/cgroup/memory.current");
+  const std::int64_t limit = cgroup_memory_limit(), used = cgroup_memory_usage();
   if (limit > 0 && used >= 0) avail = avail < 0 ? limit - used : std::min(avail, limit - used);
   return avail;
 }

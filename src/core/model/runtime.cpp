@@ -8,13 +8,13 @@
 
 #include <atomic>
 #include <cstring>
-#include <fstream>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "util/error.h"
+#include "util/process.h"
 
 namespace lorasync::model {
 
@@ -168,11 +168,8 @@ std::size_t default_cpu_block_cache_bytes() {
   std::size_t mem = pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
                                           : std::size_t{4} << 30;
   // A container's memory limit (cgroup v2, then v1) when it is below the machine's memory.
-  for (const char* f : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream in(f);
-    unsigned long long limit = 0;
-    if (in >> limit && limit > 0 && limit < mem) mem = static_cast<std::size_t>(limit);
-  }
+  const std::int64_t limit = cgroup_memory_limit();
+  if (limit > 0 && static_cast<std::size_t>(limit) < mem) mem = static_cast<std::size_t>(limit);
   return mem / 4;
 }
 
