@@ -10,13 +10,18 @@ pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 pkg_check_modules(TOMLPP REQUIRED IMPORTED_TARGET tomlplusplus)
 find_package(Boost 1.74 REQUIRED)
 
+# The repository's root: this file is also included by tests/sanitize (its libtorch-linked part).
+if(NOT DEFINED LORASYNC_ROOT)
+  set(LORASYNC_ROOT "${PROJECT_SOURCE_DIR}")
+endif()
+
 # libtorch: the torch wheel in the project's .venv (scripts/setup pins PyTorch 2.11 built for CUDA 13):
 # one libtorch for CPU and GPU, the same as the GPU machines' image, so a binary built here runs
 # there. Another libtorch 2.x: -DTorch_DIR=<libtorch>/share/cmake/Torch.
-set(LORASYNC_PYTHON "${PROJECT_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH
+set(LORASYNC_PYTHON "${LORASYNC_ROOT}/.venv/bin/python" CACHE FILEPATH
     "the project's Python (torch wheel; reference libraries for the conformance tests)")
 if(NOT Torch_DIR)
-  file(GLOB _torch_dirs "${PROJECT_SOURCE_DIR}/.venv/lib/python3*/site-packages/torch/share/cmake/Torch")
+  file(GLOB _torch_dirs "${LORASYNC_ROOT}/.venv/lib/python3*/site-packages/torch/share/cmake/Torch")
   if(_torch_dirs)
     list(GET _torch_dirs 0 _torch_dir)
     set(Torch_DIR "${_torch_dir}" CACHE PATH "libtorch's CMake package" FORCE)
@@ -59,10 +64,10 @@ if(TARGET torch_cpu)
   # One shim per libtorch, shared by every preset and named by the libtorch's path relative to the
   # source tree: every clone gets the same relative include paths, so ccache (CCACHE_BASEDIR)
   # shares objects across clones and presets.
-  file(RELATIVE_PATH _torch_inc_rel "${PROJECT_SOURCE_DIR}" "${_torch_inc}")
+  file(RELATIVE_PATH _torch_inc_rel "${LORASYNC_ROOT}" "${_torch_inc}")
   string(SHA1 _inc_hash "${_torch_inc_rel}")
   string(SUBSTRING "${_inc_hash}" 0 10 _inc_hash)
-  set(_shim "${PROJECT_SOURCE_DIR}/build/torch-include-${_inc_hash}")
+  set(_shim "${LORASYNC_ROOT}/build/torch-include-${_inc_hash}")
   file(REMOVE_RECURSE "${_shim}")
   file(MAKE_DIRECTORY "${_shim}")
   file(GLOB _entries RELATIVE "${_torch_inc}" "${_torch_inc}/*")

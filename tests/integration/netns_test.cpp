@@ -7,11 +7,14 @@
 //  - Generation keeps working through A; an unload during the partition misses B.
 //  - When the link returns, B is re-synced to the fleet's state (the adapter it missed, not the
 //    one unloaded meanwhile) before it takes traffic.
-//  - Delay and loss (tc netem) on A's link: loads and completions still succeed. Needs the kernel's
-//    sch_netem; where it is missing that part says so and is skipped (the rest still runs).
+//  - Delay and loss (tc netem) on A's link: loads and completions still succeed. Where the kernel
+//    has no sch_netem, loss alone through nftables (random drops both ways, counted); where neither
+//    exists that part says so and is skipped (the rest still runs).
 // Needs root (CAP_NET_ADMIN) and iproute2; without them the test is skipped with the reason.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+
+#include <fmt/format.h>
 
 #include <fcntl.h>
 #include <sched.h>
@@ -19,7 +22,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -174,10 +179,21 @@ TEST(Netns, PartitionDuringALoadDelayAndLossKeepTheFleetConsistent) {
   EXPECT_TRUE(eventually([&] { return state_b() == "in_service"; }, 20)) << state_b();
   EXPECT_EQ(adapters_of(n.request_in("b", n.addr(2, 2), rp, "GET", "/v1/models")), (std::vector<std::string>{"policy-v2"}));
 
-  // Delay and loss on A's link.
+  // Delay and loss on A's link: tc netem; where the kernel has no sch_netem, loss alone with
+  // nftables (10 % of A's packets dropped at random both ways, counted) and no delay.
+  std::string impaired = "delay 40 ms +- 10 ms and 3% loss (tc netem)";
+  const std::string nft = "ip netns exec " + n.ns("a") + " nft ";
   if (sh("ip netns exec " + n.ns("a") + " tc qdisc add dev " + n.ifname("a") + " root netem delay 40ms 10ms loss 3%") != 0) {
-    std::printf("netns: delay/loss part skipped: tc netem is unavailable (the kernel has no sch_netem)\n");
-    return;
+    if (sh(nft + "add table inet lossy") != 0 ||
+        sh(nft + "'add chain inet lossy in { type filter hook input priority 0; }'") != 0 ||
+        sh(nft + "'add chain inet lossy out { type filter hook output priority 0; }'") != 0 ||
+        sh(nft + "'add rule inet lossy in counter'") != 0 || sh(nft + "'add rule inet lossy out counter'") != 0 ||
+        sh(nft + "'add rule inet lossy in numgen random mod 100 < 10 counter drop'") != 0 ||
+        sh(nft + "'add rule inet lossy out numgen random mod 100 < 10 counter drop'") != 0) {
+      std::printf("netns: delay/loss part skipped: neither tc netem (sch_netem) nor nftables is available\n");
+      return;
+    }
+    impaired = "10% loss (nftables; this kernel has no sch_netem, so no delay)";
   }
   const auto t1 = std::chrono::steady_clock::now();
   auto l3 = call("POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v3","lora_path":"/b/3"})");
@@ -188,7 +204,19 @@ TEST(Netns, PartitionDuringALoadDelayAndLossKeepTheFleetConsistent) {
     ok += call("POST", "/v1/completions", R"({"model":"policy-v3","prompt":"q)" + std::to_string(i) + R"(","max_tokens":2})")
               .status == 200;
   EXPECT_EQ(ok, 20);
-  std::printf("netns: delay 40 ms +- 10 ms and 3%% loss on one replica's link: load and 20 completions succeeded\n");
+  std::string dropped;
+  if (impaired.find("nftables") != std::string::npos) {
+    // The rules' counters: packets the kernel dropped on A's link during the load and completions.
+    std::FILE* f = ::popen((nft + "list table inet lossy 2>/dev/null").c_str(), "r");
+    long seen = 0, lost = 0;
+    char line[512];
+    while (f && std::fgets(line, sizeof line, f))
+      if (const char* p = std::strstr(line, "counter packets ")) (std::strstr(line, "drop") ? lost : seen) += std::atol(p + 16);
+    if (f) ::pclose(f);
+    EXPECT_GT(seen, 0) << "no packet crossed the impaired link";
+    dropped = fmt::format(": {} of {} packets dropped", lost, seen);
+  }
+  std::printf("netns: %s on one replica's link: load and 20 completions succeeded%s\n", impaired.c_str(), dropped.c_str());
 }
 
 }  // namespace

@@ -2,6 +2,12 @@
 // trainer's integration tests (train_faults_test.cpp, train_dp_test.cpp).
 #pragma once
 
+#include <utility>  // before Asio's coroutine headers (Boost 1.74 with g++ 12)
+
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -23,18 +29,38 @@ namespace lorasync::testing {
 using nlohmann::json;
 
 // A fake generation server: the control routes of a replica (health, capabilities, models,
-// adapter loads that read the manifest for the provenance check); completions() is the test's.
+// adapter loads that read the manifest for the provenance check, `max_loras` slots: a load past
+// them answers 507 as serve does); completions() is the test's, and hold_s() may hold a completion
+// (asynchronously, as a long generation) until the client leaves or the hold ends.
 class FakeReplica {
  public:
   virtual ~FakeReplica() { stop(); }
   std::uint16_t port() const { return server_->port(); }
+  // Loads refused because every slot was taken; held completions whose client left (cancelled).
+  int slot_refusals() const {
+    std::lock_guard lk(mu_);
+    return slot_refusals_;
+  }
+  int cancelled_while_held() const {
+    std::lock_guard lk(mu_);
+    return cancelled_while_held_;
+  }
+  int most_loaded() const {
+    std::lock_guard lk(mu_);
+    return most_loaded_;
+  }
 
  protected:
+  explicit FakeReplica(int max_loras = 8) : max_loras_(max_loras) {}
   // Called with the replica's lock held; `sha` is the loaded adapter's digest ("" if none).
   virtual http::Response completions(const json& body, const std::string& model, const std::string& sha) = 0;
+  // Called with the lock held, before completions(): seconds to hold this request (0: answer now).
+  virtual double hold_s(const json& /*body*/, const std::string& /*model*/) { return 0; }
   void start() {
     server_ = std::make_unique<http::Server>(http::ServerOptions{}, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
-      http::Response r = handle(req);
+      double hold = 0;
+      http::Response r = handle(req, hold);
+      if (hold > 0 && !co_await held(hold, w)) co_return;  // the client left: nothing to answer
       co_await w.send(std::move(r));
     });
     server_->start();
@@ -44,13 +70,30 @@ class FakeReplica {
   }
 
  private:
-  http::Response handle(const http::Request& req) {
+  // Waits `hold` seconds or until the client disconnects; false if it did.
+  http::Task<bool> held(double hold, http::ResponseWriter& w) {
+    boost::asio::steady_timer t(co_await boost::asio::this_coro::executor);
+    t.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(hold)));
+    // The signal fires on this connection's strand, where this coroutine runs.
+    const auto id = w.client_gone().subscribe([&t] { t.cancel(); });
+    if (!w.client_gone().fired()) {
+      boost::system::error_code ec;
+      co_await t.async_wait(boost::asio::redirect_error(boost::asio::use_awaitable, ec));
+    }
+    w.client_gone().unsubscribe(id);
+    const bool gone = w.client_gone().fired();
+    std::lock_guard lk(mu_);
+    cancelled_while_held_ += gone;
+    co_return !gone;
+  }
+
+  http::Response handle(const http::Request& req, double& hold) {
     const std::string path(req.path());
     std::lock_guard lk(mu_);
     if (path == "/health") return http::json_response(200, "{}");
     if (path == "/server_info")
       return http::json_response(200, json{{"model", "tiny"}, {"dtype", "float32"}, {"max_model_len", 2048},
-                                           {"lora_config", {{"max_loras", 8}, {"max_lora_rank", 16}}},
+                                           {"lora_config", {{"max_loras", max_loras_}, {"max_lora_rank", 16}}},
                                            {"parallel_config", {{"data_parallel_size", 1}}}}
                                           .dump());
     if (path == "/v1/models") {
@@ -61,7 +104,13 @@ class FakeReplica {
     json body = json::parse(req.body, nullptr, false);
     if (path == "/v1/load_lora_adapter") {
       auto m = json::parse(read_file(fs::path(body["lora_path"].get<std::string>()) / "manifest.json"));
-      loaded_[body["lora_name"]] = m["adapter_sha256"];
+      const std::string name = body["lora_name"];
+      if (!loaded_.count(name) && static_cast<int>(loaded_.size()) >= max_loras_) {
+        ++slot_refusals_;
+        return http::json_response(507, json{{"error", {{"message", fmt::format("all {} adapter slots are in use (scripted)", max_loras_)}}}}.dump());
+      }
+      loaded_[name] = m["adapter_sha256"];
+      most_loaded_ = std::max(most_loaded_, static_cast<int>(loaded_.size()));
       return http::json_response(200, "\"ok\"");
     }
     if (path == "/v1/unload_lora_adapter") {
@@ -70,11 +119,14 @@ class FakeReplica {
     }
     if (path != "/v1/completions") return http::json_response(404, "{}");
     const std::string model = body["model"];
+    hold = hold_s(body, model);
     return completions(body, model, loaded_.count(model) ? loaded_[model] : "");
   }
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::map<std::string, std::string> loaded_;
+  int max_loras_;
+  int slot_refusals_ = 0, cancelled_while_held_ = 0, most_loaded_ = 0;
   std::unique_ptr<http::Server> server_;
 };
 
@@ -84,8 +136,8 @@ class FakeReplica {
 class DeterministicServer : public FakeReplica {
  public:
   // fail_prompt >= 0: the first `fail_count` requests for that problem answer 503.
-  explicit DeterministicServer(int fail_prompt = -1, int fail_count = 0)
-      : fail_prompt_(fail_prompt), fail_count_(fail_count),
+  explicit DeterministicServer(int fail_prompt = -1, int fail_count = 0, int max_loras = 8)
+      : FakeReplica(max_loras), fail_prompt_(fail_prompt), fail_count_(fail_count),
         tok_(tok::Tokenizer::load(fs::path(LORASYNC_SHARED_DIR) / "data" / "qwen2-tokenizer")) {
     start();
   }

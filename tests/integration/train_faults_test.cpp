@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include "train_fakes.h"
@@ -279,6 +280,42 @@ TEST(TrainFaults, AGroupInRetryBackoffIsNotCancelledAsStale) {
     }
   }
   EXPECT_TRUE(trained) << read_file(run.out / "groups.jsonl");
+}
+
+// Holds the first completion of each model (base and every adapter version) until the client
+// leaves: a generation still running when its version leaves the staleness window.
+class HoldingServer : public DeterministicServer {
+ public:
+  explicit HoldingServer(int max_loras) : DeterministicServer(-1, 0, max_loras) {}
+  ~HoldingServer() override { stop(); }
+
+ private:
+  double hold_s(const json& /*body*/, const std::string& model) override { return held_.insert(model).second ? 60 : 0; }
+  std::set<std::string> held_;
+};
+
+// The unload race (issue 16): the switch to version v+2 cancels v's requests, and the sync must
+// unload v once they have ended, before the next load needs its slot. With the fewest slots the
+// probe accepts (max_loras = max_staleness + 2 = 3), a sync that checked for in-flight requests at
+// once (before the cancellations were processed) kept v loaded, and the next load got 507 until its
+// deadline (5 s here) ended the run. Each version's first completion is held, so at every switch
+// a request of the version leaving the window is in flight.
+TEST(TrainFaults, ATightSlotBudgetSurvivesCancelledRequestsOfTheVersionLeavingTheWindow) {
+  HoldingServer fake(/*max_loras=*/3);
+  TrainRun run(fake.port(), 12, "", "[sync]\nadapter_load_deadline = 5\nadapter_retry_interval = 0.05\n");
+  testing::patch_file(run.config, "[sync]\nweight_sync_steps = 2\n", "");  // one [sync] table
+  testing::patch_file(run.config, "[sync]\nadapter_load_deadline", "[sync]\nweight_sync_steps = 2\nadapter_load_deadline");
+  testing::patch_file(run.config, "max_inflight = 8\n", "max_inflight = 64\n");  // held groups do not block the others
+  auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err.substr(r.err.size() > 20000 ? r.err.size() - 20000 : 0);
+  const auto last = testing::read_jsonl(run.out / "metrics.jsonl").back();
+  EXPECT_EQ(last["step"], 12);
+  EXPECT_GE(last["sync_index"].get<int>(), 5) << last.dump();
+  EXPECT_GE(last["rollout/cancelled_stale_total"].get<int>(), 3) << last.dump();
+  // Requests of versions leaving the window were in flight at their switches, and were cancelled.
+  EXPECT_GE(fake.cancelled_while_held(), 3);
+  EXPECT_EQ(fake.slot_refusals(), 0) << "a load found every slot taken";
+  EXPECT_EQ(fake.most_loaded(), 3);
 }
 
 // A row that cannot fit in memory is refused at start (exit 2), with the numbers to change.

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 
@@ -186,8 +187,14 @@ CpuTensorMeter::~CpuTensorMeter() {
   c10::SetCPUAllocator(impl_->alloc->inner(), kMeterPriority);
   // Blocks still alive keep the counts (shared) and free through the inner allocator's deleter.
   // Storages keep a pointer to the allocator that made them (a resize allocates through it), so
-  // the small allocator object is left alive on purpose.
-  (void)impl_->alloc.release();
+  // the small allocator object stays alive for the process's lifetime, kept (reachable, not
+  // leaked) in a list that is never destroyed.
+  static std::mutex kept_mu;
+  static auto* kept = new std::vector<std::unique_ptr<MeteredAllocator>>();
+  {
+    std::lock_guard lk(kept_mu);
+    kept->push_back(std::move(impl_->alloc));
+  }
   delete impl_;
 }
 

@@ -1,7 +1,6 @@
-// Unit tests of the trainer's pipeline bookkeeping and checkpoints (trainer.md §9): staleness in
-// sync indices, the switch sweep and requeue/abandon, queue order, capture; version names; the
-// seeded epoch permutation; checkpoint round trip bit-exact and incomplete checkpoints skipped;
-// Prometheus text.
+// Unit tests of the trainer's parts (trainer.md §9): version names; the seeded epoch permutation;
+// checkpoint round trip bit-exact and incomplete checkpoints skipped; Prometheus text; the server
+// capability probe. The pipeline's own tests are in pipeline_test.cpp (libtorch-free, sanitized).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -14,127 +13,13 @@
 #include "rl/checkpoint.h"
 #include "rl/metrics_endpoint.h"
 #include "rl/pipeline.h"
+#include "rl_groups.h"
 #include "rl/server_caps.h"
 #include "util/error.h"
 #include "util/files.h"
 
 namespace lorasync::rl {
 namespace {
-
-Group make_group(std::int64_t prompt, std::int64_t version, std::int64_t k, int members = 4) {
-  Group g;
-  g.prompt = {prompt, 0, 1};
-  g.version = version;
-  g.sync_index = k;
-  g.scored = true;
-  for (int i = 0; i < members; ++i) {
-    Member m;
-    m.ids = {static_cast<std::int32_t>(10 + i), 11, 12};
-    m.logprobs = {-0.5f, -1.25f, -3.0e-7f};
-    m.finish = "stop";
-    m.reward = i == 0 ? 1.0 : 0.0;
-    m.parts = {m.reward};
-    m.advantage = i == 0 ? 0.75 : -0.25;
-    g.members.push_back(m);
-  }
-  return g;
-}
-
-struct PipelineFixture : ::testing::Test {
-  PipelineFixture() : tokenizer(tok::Tokenizer::load(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer")) {
-    for (int i = 0; i < 8; ++i) data.problems.push_back({i, "p" + std::to_string(i), {"1"}, {1, 2, 3}});
-    data.n_rows = 8;
-  }
-  std::unique_ptr<Pipeline> make(std::int64_t max_staleness, std::int64_t attempts = 3) {
-    PipelineOptions o;
-    o.cfg.async.max_staleness = max_staleness;
-    o.cfg.async.max_prompt_attempts = attempts;
-    o.cfg.grpo.num_generations = 4;
-    o.server_url = "http://127.0.0.1:1";
-    o.vocab = 100;
-    o.prefix = "policy";
-    auto p = std::make_unique<Pipeline>(o, data, tokenizer, reward::make_reward_function("math_boxed"),
-                                        [this](const GroupEvent& e) { events.push_back(e); });
-    p->init_fresh();
-    return p;
-  }
-  Dataset data;
-  tok::Tokenizer tokenizer;
-  std::vector<GroupEvent> events;
-};
-
-TEST_F(PipelineFixture, StalenessCountsSyncIndicesNotVersionNumbers) {
-  auto p = make(1);
-  p->add_version({1, 0, "policy-v1", "a"});
-  p->switch_to(1);
-  PipelineState st = p->capture();
-  st.groups = {make_group(0, 1, 0)};
-  p->restore(st);
-  // A resume re-announces the current weights as a new number with the same sync index.
-  p->add_version({7, 0, "policy-v7", "a"});
-  p->switch_to(7);
-  auto g = p->pop(0.1);
-  ASSERT_TRUE(g);
-  EXPECT_EQ(p->staleness_of(*g), 0);
-  p->add_version({8, 1, "policy-v8", "b"});
-  p->switch_to(8);
-  EXPECT_EQ(p->staleness_of(*g), 1);
-  p->add_version({9, 2, "policy-v9", "c"});
-  p->switch_to(9);
-  EXPECT_EQ(p->staleness_of(*g), 2);  // > max_staleness: the trainer drops it at dequeue
-}
-
-TEST_F(PipelineFixture, SwitchSweepsExactlyTheStaleGroupsAndRequeuesThem) {
-  auto p = make(1);
-  for (std::int64_t v = 1; v <= 3; ++v) p->add_version({v, v - 1, "policy-v" + std::to_string(v), ""});
-  p->switch_to(2);
-  PipelineState st = p->capture();
-  st.groups = {make_group(3, 1, 0), make_group(4, 2, 1), make_group(5, 1, 0)};
-  p->restore(st);
-  EXPECT_EQ(p->queue_samples(), 12);
-  p->switch_to(3);  // k(V) = 2: the two groups of k = 0 are beyond max_staleness = 1
-  EXPECT_EQ(p->queue_samples(), 4);
-  EXPECT_EQ(p->counters()["sample/dropped_stale_total"], 8);
-  auto c = p->capture();
-  ASSERT_EQ(c.cursor.redo.size(), 2u);
-  std::set<std::int64_t> redo;
-  for (const auto& r : c.cursor.redo) {
-    redo.insert(r.index);
-    EXPECT_EQ(r.attempt, 2);
-  }
-  EXPECT_EQ(redo, (std::set<std::int64_t>{3, 5}));
-  int dropped = 0;
-  for (const auto& e : events) dropped += e.disposition == "dropped_stale";
-  EXPECT_EQ(dropped, 2);
-}
-
-TEST_F(PipelineFixture, DroppedPromptIsAbandonedAfterMaxAttempts) {
-  auto p = make(0, /*attempts=*/2);
-  p->add_version({1, 0, "policy-v1", ""});
-  p->switch_to(1);
-  Group g = make_group(6, 1, 0);
-  p->drop_stale(g, 1);  // attempt 1 -> requeued as attempt 2
-  auto c = p->capture();
-  ASSERT_EQ(c.cursor.redo.size(), 1u);
-  EXPECT_EQ(c.cursor.redo.front().attempt, 2);
-  g.prompt.attempt = 2;
-  p->drop_stale(g, 1);  // attempt 2 = max: abandoned
-  EXPECT_EQ(p->counters()["rollout/abandoned_total"], 1);
-  EXPECT_EQ(events.back().disposition, "abandoned");
-}
-
-TEST_F(PipelineFixture, QueueIsOrderedBySyncIndexThenCompletion) {
-  auto p = make(4);
-  p->add_version({1, 0, "policy-v1", ""});
-  p->add_version({2, 1, "policy-v2", ""});
-  p->switch_to(2);
-  PipelineState st = p->capture();
-  st.groups = {make_group(0, 2, 1), make_group(1, 1, 0), make_group(2, 2, 1), make_group(3, 1, 0)};
-  p->restore(st);
-  std::vector<std::int64_t> order;
-  while (auto g = p->pop(0.01)) order.push_back(g->prompt.index);
-  EXPECT_EQ(order, (std::vector<std::int64_t>{1, 3, 0, 2}));
-}
 
 TEST(TrainerParts, VersionNamesAndPermutations) {
   EXPECT_EQ(parse_version_name("policy-v12", "policy"), 12);
