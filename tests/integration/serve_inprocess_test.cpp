@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -21,13 +20,12 @@
 #include <thread>
 
 #include "core/io/checkpoint_dir.h"
-#include "core/model/lora.h"
 #include "core/model/qwen2_config.h"
 #include "core/model/qwen2_model.h"
-#include "engine/adapter_store.h"
 #include "server/api_server.h"
 #include "util/files.h"
 #include "util/http_client.h"
+#include "test_adapters.h"
 
 namespace lorasync {
 namespace {
@@ -56,20 +54,8 @@ fs::path write_tiny_model(const fs::path& dir) {
   return out;
 }
 
-// A PEFT adapter of rank 4 with a manifest, B drawn from `seed` (so it changes the outputs).
 std::string write_adapter(const fs::path& dir, const std::string& name, std::uint64_t seed) {
-  const auto cfg = model::Qwen2Config::preset("tiny");
-  model::LoraConfig lc;
-  lc.rank = 4;
-  lc.alpha = 8;
-  lc.targets = model::LoraConfig::parse_targets({"all-linear"});
-  auto a = model::LoraAdapter::init(lc, cfg, seed, at::kCPU);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  for (std::int64_t l = 0; l < a.n_layers(); ++l)
-    for (auto m : lc.targets) a.B(l, m).normal_(0, 0.1, gen);
-  a.save_peft(dir / name);
-  engine::write_adapter_manifest(dir / name, name, 1, 0, "tiny", "");
-  return (dir / name).string();
+  return testing::write_test_adapter(dir, name, seed, model::Qwen2Config::preset("tiny"));
 }
 
 server::ServeOptions tiny_options(const fs::path& model) {

@@ -1,8 +1,6 @@
 // Soak (label slow): many concurrent clients with random lengths, mixed base/adapters, streaming
 // and not, while adapters are loaded and unloaded in between. Bounded in time; the server must
 // answer every request correctly and its memory must stay bounded.
-#include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -11,9 +9,8 @@
 #include <random>
 #include <thread>
 
-#include "core/model/lora.h"
 #include "core/model/qwen2_config.h"
-#include "engine/adapter_store.h"
+#include "test_adapters.h"
 #include "util/child_process.h"
 #include "util/files.h"
 #include "util/http_client.h"
@@ -38,19 +35,7 @@ TEST(ServeSoak, ConcurrentClientsWithAdapterChurn) {
   auto r = testing::run_lorasync("init-model --preset tiny --output " + testing::shell_quote(model.string()));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto cfg = model::Qwen2Config::load(model);
-  auto make = [&](const std::string& name, std::uint64_t seed) {
-    model::LoraConfig lc;
-    lc.rank = 4;
-    lc.alpha = 8;
-    lc.targets = model::LoraConfig::parse_targets({"all-linear"});
-    auto a = model::LoraAdapter::init(lc, cfg, seed, at::kCPU);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-    for (std::int64_t l = 0; l < a.n_layers(); ++l)
-      for (auto m : lc.targets) a.B(l, m).normal_(0, 0.1, gen);
-    a.save_peft(dir.path() / name);
-    engine::write_adapter_manifest(dir.path() / name, name, 1, 0, "tiny", "");
-    return (dir.path() / name).string();
-  };
+  auto make = [&](const std::string& name, std::uint64_t seed) { return testing::write_test_adapter(dir.path(), name, seed, cfg); };
   testing::ChildProcess srv({LORASYNC_BINARY, "serve", "--model", model.string(), "--served-model-name", "tiny",
                              "--port", "0", "--kv-cache-memory", "8MiB", "--max-model-len", "384",
                              "--max-lora-rank", "8", "--max-num-seqs", "32", "--max-loras", "5"});
@@ -105,9 +90,10 @@ TEST(ServeSoak, ConcurrentClientsWithAdapterChurn) {
                                      json{{"lora_name", "churn-v" + std::to_string(v)}, {"lora_path", churn_paths[static_cast<std::size_t>(v)]}}.dump());
     EXPECT_EQ(res.status, 200) << res.body;
     current_churn = v;
-    if (v >= 2)
+    if (v >= 2) {
       EXPECT_EQ(testing::http_request(port, "POST", "/v1/unload_lora_adapter",
                                       json{{"lora_name", "churn-v" + std::to_string(v - 2)}}.dump()).status, 200);
+    }
     if (v == 1) rss_start = rss_kb(srv.pid());
     std::this_thread::sleep_for(std::chrono::seconds(6));
   }
