@@ -82,6 +82,12 @@ struct Pipeline::Impl {
   double admission_blocked_since = -1, score_blocked_since = -1;
 
   asio::io_context ctx;
+  // The dispatcher waits on this timer when nothing can be admitted; a change that may admit a
+  // group (a request ending, scoring or the trainer taking a group, a switch, a requeue, a grant)
+  // wakes it by cancelling the wait on the rollout thread: no polling. The wait's expiry (50 ms)
+  // only bounds a wake-up that a future change might forget to send.
+  asio::steady_timer dispatch_timer{ctx};
+  bool dispatch_wake = false;  // a wake-up is posted and the dispatcher has not looked since
   std::unique_ptr<http::Pool> pool;
   std::thread rollout_thread;
   std::vector<std::thread> workers;
@@ -99,6 +105,12 @@ struct Pipeline::Impl {
 
   std::int64_t G() const { return opt.cfg.grpo.num_generations; }
 
+  void wake_dispatcher_locked() {
+    if (dispatch_wake) return;
+    dispatch_wake = true;
+    asio::post(ctx, [this] { dispatch_timer.cancel(); });
+  }
+
   std::int64_t staleness_locked(std::int64_t sync_index) const {
     auto it = versions.find(current);
     const std::int64_t kv = it == versions.end() ? 0 : it->second.sync_index;
@@ -113,6 +125,7 @@ struct Pipeline::Impl {
   void requeue_locked(const PromptRef& p, const Group* g) {
     if (opt.cfg.async.ordered) credit += G();  // the step still needs these samples
     cv_trainer.notify_all();                   // an ordered pop may have waited on this group
+    wake_dispatcher_locked();
     if (opt.cfg.async.requeue_dropped && p.attempt < opt.cfg.async.max_prompt_attempts) {
       cursor.redo.push_front({p.index, p.epoch, p.attempt + 1});
       return;
@@ -314,6 +327,7 @@ struct Pipeline::Impl {
           requeue_locked(f.prompt, nullptr);
           inflight_seqs -= G();
           inflight.erase(id);
+          wake_dispatcher_locked();
           cv_trainer.notify_all();
           co_return;
         }
@@ -349,6 +363,7 @@ struct Pipeline::Impl {
         g.ordinal = f.ordinal;
         inflight_seqs -= G();
         inflight.erase(id);
+        wake_dispatcher_locked();
         g.request_s = dt;
         scoring.push_back(std::move(g));
         cv_score.notify_one();
@@ -359,6 +374,7 @@ struct Pipeline::Impl {
         if (fatal) {
           inflight_seqs -= G();
           inflight.erase(id);
+          wake_dispatcher_locked();
           cv_trainer.notify_all();
           co_return;
         }
@@ -369,6 +385,7 @@ struct Pipeline::Impl {
           requeue_locked(f.prompt, nullptr);
           inflight_seqs -= G();
           inflight.erase(id);
+          wake_dispatcher_locked();
           cv_trainer.notify_all();
           co_return;
         }
@@ -388,26 +405,29 @@ struct Pipeline::Impl {
       cursor.redo.push_front(f.prompt);
       inflight_seqs -= G();
       inflight.erase(id);
+      wake_dispatcher_locked();
     }
     cv_trainer.notify_all();
   }
 
   asio::awaitable<void> dispatcher() {
-    asio::steady_timer timer(ctx);
     for (;;) {
       std::optional<std::pair<std::uint64_t, InFlight>> d;
       {
         std::lock_guard lk(mu);
         if (stopping) co_return;
+        // Every change made before this point is seen by the admission below; one made after it
+        // posts a cancel, which can only run once this coroutine waits (one rollout thread).
+        dispatch_wake = false;
         d = try_admit_locked();
       }
       if (d) {
         asio::co_spawn(ctx, run_group(d->first, d->second), asio::detached);
         continue;
       }
-      timer.expires_after(std::chrono::milliseconds(2));
+      dispatch_timer.expires_after(std::chrono::milliseconds(50));
       boost::system::error_code ec;
-      co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      co_await dispatch_timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     }
   }
 
@@ -421,6 +441,7 @@ struct Pipeline::Impl {
         if (stopping) return;
         g = std::move(scoring.front());
         scoring.pop_front();
+        wake_dispatcher_locked();  // the scoring queue has room again
         key = next_seq++;
         active.emplace(key, g);  // kept for a checkpoint taken meanwhile (stored unscored)
       }
@@ -549,6 +570,7 @@ void Pipeline::stop() {
     std::lock_guard lk(I.mu);
     if (I.stopping && !I.rollout_thread.joinable()) return;
     I.stopping = true;
+    I.wake_dispatcher_locked();  // it returns
     for (auto& [id, f] : I.inflight) {
       auto sig = f.cancel;
       asio::post(I.ctx, [sig] { sig->fire(); });
@@ -592,6 +614,7 @@ std::optional<Group> Pipeline::pop(double timeout_s) {
   I.queue.erase(it);
   I.queued_samples -= static_cast<std::int64_t>(g.members.size());
   I.cv_space.notify_all();
+  I.wake_dispatcher_locked();
   return g;
 }
 
@@ -601,6 +624,7 @@ void Pipeline::grant(std::int64_t samples) {
   if (!I.opt.cfg.async.ordered) return;
   const std::int64_t ahead = I.queued_samples + I.scoring_samples_locked() + I.inflight_seqs;
   I.credit = std::max<std::int64_t>(0, samples - ahead);
+  I.wake_dispatcher_locked();
 }
 
 void Pipeline::unpop(std::vector<Group> groups) {
@@ -673,6 +697,7 @@ void Pipeline::switch_to(std::int64_t version) {
     }
   }
   I.cv_space.notify_all();
+  I.wake_dispatcher_locked();  // c = 0: the admission budget is whole again
 }
 
 bool Pipeline::in_flight_uses(std::int64_t version) const {
