@@ -82,10 +82,8 @@ struct Pipeline::Impl {
   double admission_blocked_since = -1, score_blocked_since = -1;
 
   asio::io_context ctx;
-  // The dispatcher waits on this timer when nothing can be admitted; a change that may admit a
-  // group (a request ending, scoring or the trainer taking a group, a switch, a requeue, a grant)
-  // wakes it by cancelling the wait on the rollout thread: no polling. The wait's expiry (50 ms)
-  // only bounds a wake-up that a future change might forget to send.
+  // The dispatcher's wait when nothing can be admitted, cancelled (no polling) by any change that may
+  // admit a group; its 50 ms expiry only bounds a wake-up that a future change might forget.
   asio::steady_timer dispatch_timer{ctx};
   bool dispatch_wake = false;  // a wake-up is posted and the dispatcher has not looked since
   std::unique_ptr<http::Pool> pool;
@@ -109,6 +107,13 @@ struct Pipeline::Impl {
     if (dispatch_wake) return;
     dispatch_wake = true;
     asio::post(ctx, [this] { dispatch_timer.cancel(); });
+  }
+
+  // A group's request is over (answered, failed, cancelled or stopped): its slot frees admission.
+  void end_inflight_locked(std::uint64_t id) {
+    inflight_seqs -= G();
+    inflight.erase(id);
+    wake_dispatcher_locked();
   }
 
   std::int64_t staleness_locked(std::int64_t sync_index) const {
@@ -325,9 +330,7 @@ struct Pipeline::Impl {
           emit({"cancelled", f.prompt, it->second.version, versions.count(it->second.version) ? versions[it->second.version].sync_index : 0,
                 staleness_locked(versions.count(it->second.version) ? versions[it->second.version].sync_index : 0), 0, 0});
           requeue_locked(f.prompt, nullptr);
-          inflight_seqs -= G();
-          inflight.erase(id);
-          wake_dispatcher_locked();
+          end_inflight_locked(id);
           cv_trainer.notify_all();
           co_return;
         }
@@ -361,9 +364,7 @@ struct Pipeline::Impl {
         for (const auto& m : g.members) window.generated_tokens += static_cast<std::int64_t>(m.ids.size());
         g.prompt = f.prompt;
         g.ordinal = f.ordinal;
-        inflight_seqs -= G();
-        inflight.erase(id);
-        wake_dispatcher_locked();
+        end_inflight_locked(id);
         g.request_s = dt;
         scoring.push_back(std::move(g));
         cv_score.notify_one();
@@ -372,9 +373,7 @@ struct Pipeline::Impl {
       {
         std::lock_guard lk(mu);
         if (fatal) {
-          inflight_seqs -= G();
-          inflight.erase(id);
-          wake_dispatcher_locked();
+          end_inflight_locked(id);
           cv_trainer.notify_all();
           co_return;
         }
@@ -383,9 +382,7 @@ struct Pipeline::Impl {
           LS_LOG_WARN("trainer", "rollout of prompt {} failed after {} retries: {}", f.prompt.index, a.max_retries, why);
           emit({"failed", f.prompt, inflight[id].version, 0, 0, 0, 0});
           requeue_locked(f.prompt, nullptr);
-          inflight_seqs -= G();
-          inflight.erase(id);
-          wake_dispatcher_locked();
+          end_inflight_locked(id);
           cv_trainer.notify_all();
           co_return;
         }
@@ -403,9 +400,7 @@ struct Pipeline::Impl {
     std::lock_guard lk(mu);
     if (inflight.count(id)) {
       cursor.redo.push_front(f.prompt);
-      inflight_seqs -= G();
-      inflight.erase(id);
-      wake_dispatcher_locked();
+      end_inflight_locked(id);
     }
     cv_trainer.notify_all();
   }

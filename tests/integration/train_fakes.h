@@ -2,12 +2,6 @@
 // trainer's integration tests (train_faults_test.cpp, train_dp_test.cpp).
 #pragma once
 
-#include <utility>  // before Asio's coroutine headers (Boost 1.74 with g++ 12)
-
-#include <boost/asio/redirect_error.hpp>
-#include <boost/asio/steady_timer.hpp>
-#include <boost/asio/this_coro.hpp>
-#include <boost/asio/use_awaitable.hpp>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +16,7 @@
 #include "core/tokenizer/tokenizer.h"
 #include "http/server.h"
 #include "util/files.h"
+#include "util/hold.h"
 #include "util/run_command.h"
 
 namespace lorasync::testing {
@@ -70,21 +65,12 @@ class FakeReplica {
   }
 
  private:
-  // Waits `hold` seconds or until the client disconnects; false if it did.
+  // Holds for `hold` seconds unless the client leaves; false (and counted) if it did.
   http::Task<bool> held(double hold, http::ResponseWriter& w) {
-    boost::asio::steady_timer t(co_await boost::asio::this_coro::executor);
-    t.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(hold)));
-    // The signal fires on this connection's strand, where this coroutine runs.
-    const auto id = w.client_gone().subscribe([&t] { t.cancel(); });
-    if (!w.client_gone().fired()) {
-      boost::system::error_code ec;
-      co_await t.async_wait(boost::asio::redirect_error(boost::asio::use_awaitable, ec));
-    }
-    w.client_gone().unsubscribe(id);
-    const bool gone = w.client_gone().fired();
+    const bool stayed = co_await hold_unless_client_leaves(w, hold);
     std::lock_guard lk(mu_);
-    cancelled_while_held_ += gone;
-    co_return !gone;
+    cancelled_while_held_ += !stayed;
+    co_return stayed;
   }
 
   http::Response handle(const http::Request& req, double& hold) {

@@ -3,12 +3,6 @@
 // under version churn against an in-process server (the rollout io thread, the scoring workers, a
 // trainer thread and a sync thread). libtorch-free: scripts/sanitize runs it under ASan + UBSan and
 // TSan.
-#include <utility>  // before Asio's coroutine headers (Boost 1.74 with g++ 12)
-
-#include <boost/asio/redirect_error.hpp>
-#include <boost/asio/steady_timer.hpp>
-#include <boost/asio/this_coro.hpp>
-#include <boost/asio/use_awaitable.hpp>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -27,6 +21,7 @@
 #include "rl/pipeline.h"
 #include "rl_groups.h"
 #include "util/error.h"
+#include "util/hold.h"
 
 namespace lorasync::rl {
 namespace {
@@ -151,13 +146,7 @@ class ChurnServer {
     const json body = json::parse(req.body, nullptr, false);
     const int i = ++requests_;
     http::Response r = answer(std::string(req.path()), body, i);
-    boost::asio::steady_timer t(co_await boost::asio::this_coro::executor);
-    t.expires_after(std::chrono::milliseconds(std::mt19937(static_cast<unsigned>(i))() % 16));
-    const auto id = w.client_gone().subscribe([&t] { t.cancel(); });
-    boost::system::error_code ec;
-    if (!w.client_gone().fired()) co_await t.async_wait(boost::asio::redirect_error(boost::asio::use_awaitable, ec));
-    w.client_gone().unsubscribe(id);
-    if (w.client_gone().fired()) {
+    if (!co_await testing::hold_unless_client_leaves(w, 0.001 * static_cast<double>(std::mt19937(static_cast<unsigned>(i))() % 16))) {
       ++gone_;
       co_return;
     }
