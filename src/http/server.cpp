@@ -1,33 +1,38 @@
-// The server side of src/http (one of the two Beast translation units). Responses are framed by
-// hand (status line, headers, Content-Length or chunked), which keeps streaming writes to one
-// gather-write per piece and avoids Beast's serializer for bodies we relay.
+// The server side of src/http, on plain Asio sockets. Requests are framed by http/parse.h (our
+// parser: views into a per-connection buffer that is reused from request to request, so a
+// keep-alive request allocates only what the handler keeps); responses are framed by hand (status
+// line, headers, Content-Length or chunked), each piece one gather-write. Timeouts are deadlines
+// in the session, checked by one sweeper timer for the whole server instead of a timer armed and
+// cancelled around every read and write.
 #include <utility>
 
 #include <sys/socket.h>
-
-#include <algorithm>
-#include <cerrno>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
-#include <boost/beast/core.hpp>
-#include <boost/beast/http.hpp>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
 
+#include "http/parse.h"
 #include "http/server.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -36,27 +41,79 @@
 namespace lorasync::http {
 
 namespace net = boost::asio;
-namespace beast = boost::beast;
-namespace bhttp = beast::http;
 using tcp = net::ip::tcp;
+using error_code = boost::system::error_code;
 
 namespace {
 
-std::chrono::steady_clock::duration secs(double s) {
-  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+using Clock = std::chrono::steady_clock;
+constexpr std::int64_t kNoDeadline = std::numeric_limits<std::int64_t>::max();
+constexpr std::size_t kReadChunk = 16 * 1024;
+
+std::int64_t now_ticks() { return Clock::now().time_since_epoch().count(); }
+std::int64_t after(double s) {
+  return now_ticks() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)).count();
 }
 
+// Bytes read from the connection and not yet consumed (the rest of a head, a pipelined request).
+class InBuf {
+ public:
+  std::string_view view() const { return {data_.get() + begin_, end_ - begin_}; }
+  std::size_t size() const { return end_ - begin_; }
+  void consume(std::size_t n) {
+    begin_ += n;
+    if (begin_ == end_) begin_ = end_ = 0;
+  }
+  // At least `n` writable bytes after the data (compacting, then growing).
+  net::mutable_buffer prepare(std::size_t n) {
+    if (cap_ - end_ < n) {
+      const std::size_t have = end_ - begin_;
+      if (cap_ - have >= n && begin_ > 0) {
+        std::memmove(data_.get(), data_.get() + begin_, have);
+      } else {
+        const std::size_t cap = std::max(cap_ * 2, have + n);
+        auto next = std::make_unique_for_overwrite<char[]>(cap);
+        if (have) std::memcpy(next.get(), data_.get() + begin_, have);
+        data_ = std::move(next);
+        cap_ = cap;
+      }
+      begin_ = 0;
+      end_ = have;
+    }
+    return net::buffer(data_.get() + end_, n);
+  }
+  void commit(std::size_t n) { end_ += n; }
+  // A connection kept alive after one large head should not keep its buffer forever.
+  void shrink() {
+    if (begin_ == end_ && cap_ > 4 * kReadChunk) {
+      data_.reset();
+      cap_ = begin_ = end_ = 0;
+    }
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  std::size_t cap_ = 0, begin_ = 0, end_ = 0;
+};
+
 struct Session {
-  explicit Session(tcp::socket sock) : stream(std::move(sock)) {}
-  beast::tcp_stream stream;
-  bool busy = false;  // touched on the session's strand only
+  explicit Session(tcp::socket s) : sock(std::move(s)) {}
+  tcp::socket sock;
+  // The deadline of the read or write in progress (steady-clock ticks), set on the session's
+  // strand and read by the sweeper, which cancels the operation once it has passed.
+  std::atomic<std::int64_t> deadline{kNoDeadline};
+  bool timed_out = false;  // strand-only: the pending operation was cancelled by its deadline
+  bool busy = false;       // strand-only
   bool closed = false;
+  InBuf in;
+  void arm(double seconds) { deadline.store(after(seconds), std::memory_order_relaxed); }
+  void disarm() { deadline.store(kNoDeadline, std::memory_order_relaxed); }
   void close() {
     if (closed) return;
     closed = true;
-    beast::error_code ec;
-    stream.socket().shutdown(tcp::socket::shutdown_both, ec);
-    stream.socket().close(ec);
+    error_code ec;
+    sock.shutdown(tcp::socket::shutdown_both, ec);
+    sock.close(ec);
   }
 };
 
@@ -67,28 +124,37 @@ bool is_framing_header(std::string_view n) {
 
 class Writer final : public ResponseWriter {
  public:
-  Writer(Session& s, bool keep_alive, bool head, double write_timeout)
-      : s_(s), keep_alive_(keep_alive), head_(head), write_timeout_(write_timeout) {}
+  // `head_buf`: where the response head is built (the session's, reused across its responses).
+  Writer(Session& s, bool keep_alive, bool head, double write_timeout, std::string& head_buf)
+      : s_(s), keep_alive_(keep_alive), head_(head), write_timeout_(write_timeout), pending_(head_buf) {
+    pending_.clear();
+  }
 
   Task<bool> send(Response r) override {
     if (started_) co_return false;
-    std::string hdr = header_block(r.status, r.headers, std::to_string(r.body.size()), false);
-    std::array<net::const_buffer, 2> bufs{net::buffer(hdr), net::buffer(r.body.data(), head_ ? 0 : r.body.size())};
+    header_block(r.status, r.headers, r.body.size(), false);
+    std::array<net::const_buffer, 2> bufs{net::buffer(pending_), net::buffer(r.body.data(), head_ ? 0 : r.body.size())};
     started_ = true;
     bool ok = co_await write_bufs(bufs);
+    pending_.clear();
     done_ = true;
     co_return ok;
   }
 
+  // A response with a Content-Length keeps its header until the first piece of the body (or
+  // finish), so both leave in one write: one segment and one wake-up of the client fewer.
+  // A chunked response (a stream: SSE) sends its header at once.
   Task<bool> start(int status, const Headers& headers, std::optional<std::uint64_t> content_length) override {
     if (started_) co_return false;
     chunked_ = !content_length.has_value() && !head_;
     remaining_ = content_length;
-    std::string hdr = header_block(status, headers, content_length ? std::to_string(*content_length) : "",
-                                   chunked_);
+    header_block(status, headers, content_length.value_or(0), chunked_);
     started_ = true;
-    std::array<net::const_buffer, 1> bufs{net::buffer(hdr)};
-    co_return co_await write_bufs(bufs);
+    if (!chunked_) co_return true;
+    std::array<net::const_buffer, 1> bufs{net::buffer(pending_)};
+    bool ok = co_await write_bufs(bufs);
+    pending_.clear();
+    co_return ok;
   }
 
   Task<bool> write(std::string_view data) override {
@@ -108,8 +174,10 @@ class Writer final : public ResponseWriter {
       }
       *remaining_ -= data.size();
     }
-    std::array<net::const_buffer, 1> bufs{net::buffer(data.data(), data.size())};
-    co_return co_await write_bufs(bufs);
+    std::array<net::const_buffer, 2> bufs{net::buffer(pending_), net::buffer(data.data(), data.size())};
+    bool ok = co_await write_bufs(bufs);
+    pending_.clear();
+    co_return ok;
   }
 
   Task<bool> finish() override {
@@ -123,6 +191,12 @@ class Writer final : public ResponseWriter {
       close_ = true;  // short body: never let it look complete
       co_return false;
     }
+    if (!pending_.empty()) {  // no body (or HEAD): the header alone
+      std::array<net::const_buffer, 1> bufs{net::buffer(pending_)};
+      bool ok = co_await write_bufs(bufs);
+      pending_.clear();
+      co_return ok;
+    }
     co_return true;
   }
 
@@ -132,15 +206,15 @@ class Writer final : public ResponseWriter {
 
   bool done() const { return done_; }
   bool must_close() const { return close_ || !keep_alive_; }
-  void set_closing() { keep_alive_ = false; }
 
  private:
-  std::string header_block(int status, const Headers& h, const std::string& content_length, bool chunked) {
-    std::string out;
-    out.reserve(256);
+  void header_block(int status, const Headers& h, std::uint64_t content_length, bool chunked) {
+    std::string& out = pending_;
+    out.clear();
     out += "HTTP/1.1 ";
-    out += std::to_string(status);
-    out += ' ';
+    char num[24];
+    auto n = std::snprintf(num, sizeof num, "%d ", status);
+    out.append(num, static_cast<std::size_t>(n));
     out += reason_phrase(status);
     out += "\r\n";
     for (const auto& x : h) {
@@ -150,20 +224,25 @@ class Writer final : public ResponseWriter {
       out += x.value;
       out += "\r\n";
     }
-    if (chunked) out += "Transfer-Encoding: chunked\r\n";
-    else if (!content_length.empty()) out += "Content-Length: " + content_length + "\r\n";
+    if (chunked) {
+      out += "Transfer-Encoding: chunked\r\n";
+    } else {
+      n = std::snprintf(num, sizeof num, "%llu", static_cast<unsigned long long>(content_length));
+      out += "Content-Length: ";
+      out.append(num, static_cast<std::size_t>(n));
+      out += "\r\n";
+    }
     if (!keep_alive_) out += "Connection: close\r\n";
     out += "\r\n";
-    return out;
   }
 
   template <typename Bufs>
   Task<bool> write_bufs(const Bufs& bufs) {
     if (close_) co_return false;
-    beast::error_code ec;
-    s_.stream.expires_after(secs(write_timeout_));
-    co_await net::async_write(s_.stream, bufs, net::redirect_error(net::use_awaitable, ec));
-    s_.stream.expires_never();
+    error_code ec;
+    s_.arm(write_timeout_);
+    co_await net::async_write(s_.sock, bufs, net::redirect_error(net::use_awaitable, ec));
+    s_.disarm();
     if (ec) {
       close_ = true;
       gone_.fire();
@@ -178,6 +257,7 @@ class Writer final : public ResponseWriter {
   double write_timeout_;
   bool started_ = false, done_ = false, close_ = false, chunked_ = false;
   std::optional<std::uint64_t> remaining_;
+  std::string& pending_;  // the response head not yet written
   CancelSignal gone_;
 };
 
@@ -198,6 +278,7 @@ class Server::Impl {
   std::optional<tcp::acceptor> acceptor;
   std::vector<std::thread> threads;
   std::uint16_t bound_port = 0;
+  Clock::duration sweep_tick{};
 
   std::mutex mu;
   std::condition_variable cv;
@@ -214,15 +295,39 @@ class Server::Impl {
     std::vector<std::shared_ptr<Session>> live;
     {
       std::lock_guard lk(mu);
+      live.reserve(sessions.size());
       for (auto& [id, w] : sessions)
         if (auto s = w.lock()) live.push_back(std::move(s));
     }
     for (auto& s : live) f(s);
   }
 
+  // Every tick: cancels the pending operation of each session past its deadline (on the
+  // session's strand, where the deadline is checked again: the operation may have finished).
+  net::awaitable<void> sweep_loop() {
+    net::steady_timer t(ioc);
+    for (;;) {
+      error_code ec;
+      t.expires_after(sweep_tick);
+      co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
+      if (ec) co_return;
+      const std::int64_t now = now_ticks();
+      for_each_session([now](std::shared_ptr<Session> s) {
+        if (s->deadline.load(std::memory_order_relaxed) > now) return;
+        net::post(s->sock.get_executor(), [s] {
+          if (s->closed || s->deadline.load(std::memory_order_relaxed) > now_ticks()) return;
+          s->timed_out = true;
+          s->disarm();
+          error_code e;
+          s->sock.cancel(e);
+        });
+      });
+    }
+  }
+
   net::awaitable<void> accept_loop() {
     for (;;) {
-      beast::error_code ec;
+      error_code ec;
       tcp::socket sock =
           co_await acceptor->async_accept(net::make_strand(ioc), net::redirect_error(net::use_awaitable, ec));
       if (stopping.load()) co_return;
@@ -253,11 +358,10 @@ class Server::Impl {
       }
       if (full) {
         refused.fetch_add(1);
-        net::co_spawn(s->stream.get_executor(), refuse(s), net::detached);
+        net::co_spawn(s->sock.get_executor(), refuse(s), net::detached);
         continue;
       }
-      { beast::error_code e2; auto ep = s->stream.socket().remote_endpoint(e2); LS_LOG_DEBUG("http", "accepted {} port {}", id, ep.port()); }
-      net::co_spawn(s->stream.get_executor(), run_session(s, id), net::detached);
+      net::co_spawn(s->sock.get_executor(), run_session(s, id), net::detached);
     }
   }
 
@@ -267,28 +371,33 @@ class Server::Impl {
   }
 
   // At the connection cap: a canned 503 (the client learns why and when to retry; a proxy retries
-  // elsewhere), then close. Written without reading the request; bounded by a 2 s timeout.
+  // elsewhere), then close. Written without reading the request; bounded by a 2 s timer (the
+  // session is not in the sweeper's list).
   net::awaitable<void> refuse(std::shared_ptr<Session> s) {
     static const std::string kBody = openai_error_json(503, "server at its connection limit; retry shortly");
     static const std::string kReply = std::string("HTTP/1.1 503 ") + reason_phrase(503) +
                                       "\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\n"
                                       "Content-Length: " + std::to_string(kBody.size()) + "\r\n\r\n" + kBody;
-    beast::error_code ec;
-    s->stream.expires_after(std::chrono::seconds(2));
-    co_await net::async_write(s->stream, net::buffer(kReply), net::redirect_error(net::use_awaitable, ec));
-    s->stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+    net::steady_timer limit(s->sock.get_executor(), std::chrono::seconds(2));
+    limit.async_wait([s](const error_code& e) {
+      if (!e) s->close();
+    });
+    error_code ec;
+    co_await net::async_write(s->sock, net::buffer(kReply), net::redirect_error(net::use_awaitable, ec));
+    s->sock.shutdown(tcp::socket::shutdown_send, ec);
     // Let the client read the answer before the close (a reset could discard it): wait briefly
     // for its end of stream, reading and discarding what it sent.
     char buf[4096];
     for (int i = 0; i < 64 && !ec; ++i)
-      co_await s->stream.async_read_some(net::buffer(buf), net::redirect_error(net::use_awaitable, ec));
+      co_await s->sock.async_read_some(net::buffer(buf), net::redirect_error(net::use_awaitable, ec));
+    limit.cancel();
     s->close();
   }
 
   net::awaitable<void> watch(std::shared_ptr<Session> s, std::shared_ptr<WatchState> ws, Writer* w) {
     for (;;) {
-      beast::error_code ec;
-      co_await s->stream.socket().async_wait(tcp::socket::wait_read, net::redirect_error(net::use_awaitable, ec));
+      error_code ec;
+      co_await s->sock.async_wait(tcp::socket::wait_read, net::redirect_error(net::use_awaitable, ec));
       if (!ws->active) co_return;
       if (ec) {
         if (ec != net::error::operation_aborted) w->client_gone().fire();
@@ -296,10 +405,8 @@ class Server::Impl {
       }
       // Never block the strand here: readiness can be spurious, and a blocking peek would hold
       // this connection's strand (and the handler's wake-ups) until the client sends or leaves.
-      // (Asio's synchronous receive polls until data arrives on a blocking-mode socket, so the
-      // peek goes to the OS directly.)
       char c;
-      const ssize_t n = ::recv(s->stream.socket().native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+      const ssize_t n = ::recv(s->sock.native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
       if (n <= 0) w->client_gone().fire();
       // Otherwise the client pipelined its next request: stop watching.
@@ -312,40 +419,90 @@ class Server::Impl {
   // reads it, so stop sending, then read and discard what arrives (bounded in bytes and time).
   net::awaitable<void> reply_and_close(std::shared_ptr<Session> s, int status, std::string_view msg,
                                        bool retry_after = false) {
-    Writer w(*s, false, false, opts.write_timeout_s);
+    std::string head_buf;
+    Writer w(*s, false, false, opts.write_timeout_s, head_buf);
     Response r = error_response(status, msg);
     if (retry_after) r.headers.add("Retry-After", "1");
     if (!co_await w.send(std::move(r))) co_return;
-    beast::error_code ec;
-    s->stream.socket().shutdown(tcp::socket::shutdown_send, ec);
-    s->stream.expires_after(secs(kLingerSeconds));
+    error_code ec;
+    s->sock.shutdown(tcp::socket::shutdown_send, ec);
+    s->arm(kLingerSeconds);
     std::array<char, 16384> sink;
     std::uint64_t drained = 0;
     while (!ec && drained < kLingerBytes) {
-      std::size_t n = co_await s->stream.async_read_some(net::buffer(sink), net::redirect_error(net::use_awaitable, ec));
+      std::size_t n = co_await s->sock.async_read_some(net::buffer(sink), net::redirect_error(net::use_awaitable, ec));
       drained += n;
     }
+    s->disarm();
   }
   static constexpr double kLingerSeconds = 2;
   static constexpr std::uint64_t kLingerBytes = 128ull << 20;
 
+  std::uint64_t body_limit_for(std::string_view target) const {
+    const std::string_view rpath = target.substr(0, target.find('?'));
+    for (const auto& [p, lim] : opts.route_body_limits)
+      if (rpath == p) return lim;
+    return opts.max_body_bytes;
+  }
+
+  // Reads the body framed by `head` into req.body (what the head's buffer already holds first).
+  // Returns 0, or the status of a refusal with `perr` set; `ec` set when the connection failed.
+  net::awaitable<int> read_body(Session& s, const RequestHead& head, std::uint64_t limit, Request& req,
+                                ParseError& perr, error_code& ec) {
+    if (head.content_length) {
+      const std::uint64_t len = *head.content_length;
+      if (len > limit) {
+        perr.message = "request body exceeds " + std::to_string(limit) + " bytes";
+        co_return 413;
+      }
+      const std::size_t have = static_cast<std::size_t>(std::min<std::uint64_t>(len, s.in.size()));
+      req.body.assign(s.in.view().substr(0, have));
+      s.in.consume(have);
+      if (have < len) {
+        req.body.resize(static_cast<std::size_t>(len));
+        co_await net::async_read(s.sock, net::buffer(req.body.data() + have, static_cast<std::size_t>(len) - have),
+                                 net::redirect_error(net::use_awaitable, ec));
+      }
+      co_return 0;
+    }
+    if (!head.chunked) co_return 0;
+    ChunkedDecoder dec(limit, opts.max_header_bytes);
+    for (;;) {
+      std::size_t used = 0;
+      const ParseStatus st = dec.feed(s.in.view(), req.body, used, perr);
+      s.in.consume(used);
+      if (st == ParseStatus::kDone) co_return 0;
+      if (st == ParseStatus::kError) co_return perr.status;
+      const std::size_t n = co_await s.sock.async_read_some(s.in.prepare(4 * kReadChunk),
+                                                            net::redirect_error(net::use_awaitable, ec));
+      if (ec) co_return 0;
+      s.in.commit(n);
+    }
+  }
+
   net::awaitable<void> run_session(std::shared_ptr<Session> s, std::uint64_t id) {
-    beast::flat_buffer buf;
     std::string remote;
     {
-      beast::error_code ec;
-      auto ep = s->stream.socket().remote_endpoint(ec);
+      error_code ec;
+      auto ep = s->sock.remote_endpoint(ec);
       if (!ec) remote = ep.address().to_string() + ":" + std::to_string(ep.port());
     }
-    LS_LOG_DEBUG("http", "session {} started", id);
+    LS_LOG_DEBUG("http", "session {} started ({})", id, remote);
+    // Reused from request to request: their buffers keep their capacity.
+    Request req;
+    req.remote = remote;
+    RequestHead head;
+    ParseError perr;
+    std::string head_buf;
     try {
       for (;;) {
-        beast::error_code ec;
-        if (buf.size() == 0) {
-          s->stream.expires_after(secs(opts.idle_timeout_s));
-          std::size_t n = co_await s->stream.async_read_some(buf.prepare(8192), net::redirect_error(net::use_awaitable, ec));
-          if (ec) break;
-          buf.commit(n);
+        error_code ec;
+        if (s->in.size() == 0) {
+          s->in.shrink();
+          s->arm(opts.idle_timeout_s);
+          std::size_t n = co_await s->sock.async_read_some(s->in.prepare(kReadChunk), net::redirect_error(net::use_awaitable, ec));
+          if (ec) break;  // the client closed, or the idle timeout
+          s->in.commit(n);
         }
         if (s->closed) break;
         // A request that reached a keep-alive connection during shutdown gets an answer (503,
@@ -353,67 +510,85 @@ class Server::Impl {
         // from a failure.
         const bool refuse = stopping.load();
         s->busy = true;
-        bhttp::request_parser<bhttp::string_body> parser;
-        parser.header_limit(static_cast<std::uint32_t>(opts.max_header_bytes));
-        // The largest limit while the header is read (Beast checks Content-Length against it
-        // there), then the route's own.
-        std::uint64_t body_limit = opts.max_body_bytes;
-        for (const auto& [p, lim] : opts.route_body_limits) body_limit = std::max(body_limit, lim);
-        parser.body_limit(body_limit);
-        s->stream.expires_after(secs(opts.client_timeout_s));
-        co_await bhttp::async_read_header(s->stream, buf, parser, net::redirect_error(net::use_awaitable, ec));
-        if (!ec && !opts.route_body_limits.empty()) {
-          const std::string_view target(parser.get().target().data(), parser.get().target().size());
-          const std::string_view rpath = target.substr(0, target.find('?'));
-          body_limit = opts.max_body_bytes;
-          for (const auto& [p, lim] : opts.route_body_limits)
-            if (rpath == p) body_limit = lim;
-          const auto declared = parser.content_length();
-          if (declared && *declared > body_limit) ec = bhttp::error::body_limit;
-          else parser.body_limit(body_limit);
-        }
-        if (!ec && !parser.is_done()) {
-          auto expect = parser.get().find(bhttp::field::expect);
-          if (expect != parser.get().end() && iequals(std::string_view(expect->value().data(), expect->value().size()), "100-continue")) {
-            co_await net::async_write(s->stream, net::buffer("HTTP/1.1 100 Continue\r\n\r\n", 25),
-                                      net::redirect_error(net::use_awaitable, ec));
-          }
-          if (!ec) co_await bhttp::async_read(s->stream, buf, parser, net::redirect_error(net::use_awaitable, ec));
+        // The head and the body must arrive within the client timeout.
+        s->arm(opts.client_timeout_s);
+        ParseStatus st;
+        std::size_t scanned = 0;
+        for (;;) {
+          st = parse_request_head(s->in.view(), opts.max_header_bytes, scanned, head, perr);
+          if (st != ParseStatus::kIncomplete) break;
+          scanned = s->in.size();
+          std::size_t n = co_await s->sock.async_read_some(s->in.prepare(kReadChunk), net::redirect_error(net::use_awaitable, ec));
+          if (ec) break;
+          s->in.commit(n);
         }
         if (ec) {
-          if (ec == bhttp::error::header_limit) {
-            co_await reply_and_close(s, 431, "request headers exceed the limit");
-          } else if (ec == bhttp::error::body_limit) {
-            std::string msg = "request body exceeds " + std::to_string(body_limit) + " bytes";
-            co_await reply_and_close(s, 413, msg);
-          } else if (ec == beast::error::timeout) {
-            co_await reply_and_close(s, 408, "request not received within the client timeout");
-          } else if (ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message &&
-                     ec != net::error::eof && ec != net::error::connection_reset &&
-                     ec != net::error::operation_aborted) {
-            std::string msg = "malformed HTTP request: " + ec.message();
-            co_await reply_and_close(s, 400, msg);
-          }
+          // A client that left mid-head gets nothing; one too slow gets 408.
+          if (s->timed_out) co_await reply_and_close(s, 408, "request not received within the client timeout");
           break;
         }
-        s->stream.expires_never();
+        if (st == ParseStatus::kError) {
+          co_await reply_and_close(s, perr.status, perr.message);
+          break;
+        }
+        req.method.assign(head.method);
+        req.target.assign(head.target);
+        {
+          auto& items = req.headers.items();
+          std::size_t k = 0;
+          for (const auto& [name, value] : head.fields) {
+            if (k < items.size()) {
+              items[k].name.assign(name);
+              items[k].value.assign(value);
+            } else {
+              items.push_back(Header{std::string(name), std::string(value)});
+            }
+            ++k;
+          }
+          items.erase(items.begin() + static_cast<std::ptrdiff_t>(k), items.end());
+        }
+        req.body.clear();
+        const bool keep_alive_asked = head.keep_alive;
+        const bool chunked = head.chunked;
+        const auto content_length = head.content_length;
+        const bool expect_continue = head.expect_continue;
+        s->in.consume(head.head_bytes);  // the views in `head` are dead from here on
+        head.clear();
+        const std::uint64_t body_limit = body_limit_for(req.target);
+        if (content_length && *content_length > body_limit) {
+          std::string msg = "request body exceeds " + std::to_string(body_limit) + " bytes";
+          co_await reply_and_close(s, 413, msg);
+          break;
+        }
         if (refuse) {
           co_await reply_and_close(s, 503, "the server is shutting down; retry on another replica", true);
           break;
         }
+        const bool body_pending = chunked || (content_length && *content_length > s->in.size());
+        if (expect_continue && body_pending) {
+          co_await net::async_write(s->sock, net::buffer("HTTP/1.1 100 Continue\r\n\r\n", 25),
+                                    net::redirect_error(net::use_awaitable, ec));
+          if (ec) break;
+        }
+        RequestHead framing;
+        framing.chunked = chunked;
+        framing.content_length = content_length;
+        const int refusal = co_await read_body(*s, framing, body_limit, req, perr, ec);
+        if (ec) {
+          if (s->timed_out) co_await reply_and_close(s, 408, "request not received within the client timeout");
+          break;
+        }
+        if (refusal != 0) {
+          co_await reply_and_close(s, refusal, perr.message);
+          break;
+        }
+        s->disarm();
         LS_LOG_DEBUG("http", "session {} read request", id);
-        auto& msg = parser.get();
-        Request req;
-        req.method = std::string(msg.method_string());
-        req.target = std::string(msg.target());
-        for (const auto& f : msg) req.headers.add(std::string(f.name_string()), std::string(f.value()));
-        req.body = std::move(msg.body());
-        req.remote = remote;
-        const bool keep_alive = msg.keep_alive() && !stopping.load();
-        Writer w(*s, keep_alive, req.method == "HEAD", opts.write_timeout_s);
+        const bool keep_alive = keep_alive_asked && !stopping.load();
+        Writer w(*s, keep_alive, req.method == "HEAD", opts.write_timeout_s, head_buf);
         auto ws = std::make_shared<WatchState>();
         active.fetch_add(1);
-        net::co_spawn(s->stream.get_executor(), watch(s, ws, &w), net::detached);
+        net::co_spawn(s->sock.get_executor(), watch(s, ws, &w), net::detached);
         std::string failure;
         try {
           co_await handler(req, w);
@@ -430,7 +605,7 @@ class Server::Impl {
           else if (!w.done()) w.abort();
         }
         ws->active = false;
-        s->stream.socket().cancel(ec);
+        s->sock.cancel(ec);
         s->busy = false;
         if (active.fetch_sub(1) == 1) {
           std::lock_guard lk(mu);
@@ -457,7 +632,7 @@ Server::~Server() {
 
 void Server::start() {
   auto& I = *impl_;
-  beast::error_code ec;
+  error_code ec;
   auto addr = net::ip::make_address(I.opts.host, ec);
   if (ec) throw Error(ErrorKind::kInvalidInput, "bad listen address '" + I.opts.host + "': " + ec.message());
   tcp::endpoint ep(addr, I.opts.port);
@@ -469,7 +644,13 @@ void Server::start() {
   if (ec) throw_env("cannot listen on {}:{}: {}", I.opts.host, I.opts.port, ec.message());
   I.bound_port = I.acceptor->local_endpoint().port();
   I.conn_cap = I.opts.max_connections ? I.opts.max_connections : connection_budget();
+  // Timeouts fire within one tick of their deadline: an eighth of the shortest, 5-250 ms.
+  const double shortest = std::min({I.opts.client_timeout_s, I.opts.idle_timeout_s, I.opts.write_timeout_s,
+                                    Impl::kLingerSeconds});
+  I.sweep_tick = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(std::clamp(shortest / 8, 0.005, 0.25)));
   net::co_spawn(I.ioc, I.accept_loop(), net::detached);
+  net::co_spawn(net::make_strand(I.ioc), I.sweep_loop(), net::detached);
   int n = std::max(1, I.opts.threads);
   for (int i = 0; i < n; ++i)
     I.threads.emplace_back([&I] {
@@ -512,7 +693,7 @@ void Server::stop(double grace_s) {
   }
   I.stopping.store(true);
   net::post(I.ioc, [&I] {
-    beast::error_code ec;
+    error_code ec;
     if (I.acceptor) I.acceptor->close(ec);
   });
   // Idle keep-alive connections stay open while in-flight requests finish: a request that
@@ -522,7 +703,7 @@ void Server::stop(double grace_s) {
     std::unique_lock lk(I.mu);
     I.cv.wait_for(lk, std::chrono::duration<double>(grace_s), [&] { return I.active.load() == 0; });
   }
-  I.for_each_session([](std::shared_ptr<Session> s) { net::post(s->stream.get_executor(), [s] { s->close(); }); });
+  I.for_each_session([](std::shared_ptr<Session> s) { net::post(s->sock.get_executor(), [s] { s->close(); }); });
   I.work.reset();
   I.ioc.stop();
   for (auto& t : I.threads)

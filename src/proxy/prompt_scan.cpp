@@ -376,6 +376,9 @@ bool parse_int64(const char*& p, const char* e, std::int64_t& v) {
   std::uint64_t acc = 0;
   bool overflow = false;
   const char* ds = p;
+  // Up to 18 digits cannot overflow (10^18 < 2^63): no check per digit there (a division per
+  // digit was the scan's largest cost on token-id prompts).
+  while (p < e && p - ds < 18 && *p >= '0' && *p <= '9') acc = acc * 10 + static_cast<std::uint64_t>(*p++ - '0');
   while (p < e && *p >= '0' && *p <= '9') {
     auto d = static_cast<std::uint64_t>(*p - '0');
     if (acc > (limit - d) / 10) overflow = true;

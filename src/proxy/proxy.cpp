@@ -137,6 +137,26 @@ Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)
                                                : std::max<std::size_t>(64, budget - upstream);
   so.idle_timeout_s = 75;
   server = std::make_unique<http::Server>(so, [this](http::Request& rq, http::ResponseWriter& w) { return handle(rq, w); });
+  init_metric_cells();
+}
+
+void Proxy::Impl::init_metric_cells() {
+  const char* routes[3] = {"completions", "chat_completions", "forward"};
+  for (int i = 0; i < 3; ++i) {
+    const std::string route = std::string("route=\"") + routes[i] + "\"";
+    route_cells[i].ok = &metrics.counter_cell("requests_total", route + ",code=\"200\"");
+    route_cells[i].duration = &metrics.histogram_cell("request_duration_seconds", route);
+    route_cells[i].ttfb[0] = &metrics.histogram_cell("time_to_first_byte_seconds", route + ",stream=\"false\"");
+    route_cells[i].ttfb[1] = &metrics.histogram_cell("time_to_first_byte_seconds", route + ",stream=\"true\"");
+  }
+  for (std::size_t r = 0; r < replicas.size(); ++r)
+    routed_cells.push_back(&metrics.counter_cell("routed_total", "replica=\"" + std::to_string(r) + "\""));
+  decision_seconds = &metrics.histogram_cell("route_decision_seconds", "");
+  for (int o = 0; o < 3; ++o)
+    for (int r = 0; r < 6; ++r)
+      decision_cells[o][r] = &metrics.counter_cell(
+          "route_decisions_total", std::string("outcome=\"") + outcome_name(static_cast<Outcome>(o)) +
+                                       "\",reason=\"" + reason_name(static_cast<Reason>(r)) + "\"");
 }
 
 std::uint64_t Proxy::Impl::in_service_mask() const {
@@ -280,18 +300,24 @@ http::Task<void> Proxy::Impl::handle(http::Request& req, http::ResponseWriter& w
     co_await handle_relay(req, w, false, rid);
     code = -1;
   }
-  const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-  metrics.observe("request_duration_seconds", "route=\"" + route + "\"", dt);
-  if (code > 0) metrics.inc("requests_total", "route=\"" + route + "\",code=\"" + std::to_string(code) + "\"");
+  // (A relayed request, code -1, counted itself in handle_relay.)
+  if (code > 0) {
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    metrics.observe("request_duration_seconds", "route=\"" + route + "\"", dt);
+    metrics.inc("requests_total", "route=\"" + route + "\",code=\"" + std::to_string(code) + "\"");
+  }
 }
 
 // Routed (routed = true) or forwarded request: pick, call, retry before the first byte, relay.
 http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWriter& w, bool routed,
                                            const std::string& rid) {
   const auto t0 = Clock::now();
-  const std::string route = routed ? (req.path() == "/v1/completions" ? "completions" : "chat_completions") : "forward";
+  const int route_index = routed ? (req.path() == "/v1/completions" ? 0 : 1) : 2;
+  const char* const route = route_index == 0 ? "completions" : route_index == 1 ? "chat_completions" : "forward";
+  RouteCells& cells = route_cells[route_index];
   auto finish_code = [&](int code) {
-    metrics.inc("requests_total", "route=\"" + route + "\",code=\"" + std::to_string(code) + "\"");
+    if (code == 200) cells.ok->inc();
+    else metrics.inc("requests_total", std::string("route=\"") + route + "\",code=\"" + std::to_string(code) + "\"");
   };
   auto send_error = [&](int status, const std::string& msg, const std::string& param = {}) -> http::Task<void> {
     auto r = http::error_response(status, "proxy: " + redact(msg), param, status >= 500 ? "proxy_error" : "");
@@ -331,10 +357,9 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       if (routed) {
         const auto td = Clock::now();
         d = router.route(scan.blocks, eligible, first, scan.model);
-        metrics.observe("route_decision_seconds", "", std::chrono::duration<double>(Clock::now() - td).count());
+        decision_seconds->observe(std::chrono::duration<double>(Clock::now() - td).count());
         pick = d.pick;
-        if (first) metrics.inc("route_decisions_total", std::string("outcome=\"") + outcome_name(d.outcome) +
-                                                        "\",reason=\"" + reason_name(d.reason) + "\"");
+        if (first) decision_cells[static_cast<int>(d.outcome)][static_cast<int>(d.reason)]->inc();
       } else {
         pick = __builtin_ctzll(eligible);  // the primary: lowest index in service, untried
       }
@@ -367,7 +392,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     tried |= std::uint64_t{1} << pick;
     Replica& rep = *replicas[static_cast<std::size_t>(pick)];
     rep.inflight_all.fetch_add(1);
-    metrics.inc("routed_total", "replica=\"" + std::to_string(pick) + "\"");
+    routed_cells[static_cast<std::size_t>(pick)]->inc();
     struct Release {
       Proxy::Impl* self;
       Replica* rep;
@@ -475,8 +500,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       }
       if (first_piece) {
         first_piece = false;
-        metrics.observe("time_to_first_byte_seconds", "route=\"" + route + "\",stream=\"" + (stream ? "true" : "false") + "\"",
-                        std::chrono::duration<double>(Clock::now() - tcall).count());
+        cells.ttfb[stream ? 1 : 0]->observe(std::chrono::duration<double>(Clock::now() - tcall).count());
       }
       if (piece.empty() && up.done()) break;
       if (routed) cached.feed(piece);
@@ -490,8 +514,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     if (ok) ok = co_await w.finish();
     if (routed) router.finish_request(scan.model, cached_hdr ? cached_hdr : cached.value());
     finish_code(ok ? status : 499);
-    metrics.observe("request_duration_seconds", "route=\"" + route + "\"",
-                    std::chrono::duration<double>(Clock::now() - t0).count());
+    cells.duration->observe(std::chrono::duration<double>(Clock::now() - t0).count());
     co_return;
   }
 }

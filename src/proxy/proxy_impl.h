@@ -112,6 +112,18 @@ class Proxy::Impl {
   // skipped the syncing replica): otherwise it converges again.
   std::uint64_t fleet_epoch = 0;
 
+  // The request path's metric series, looked up once by init_metric_cells (proxy.cpp).
+  struct RouteCells {
+    Metrics::Counter* ok = nullptr;          // requests_total{route, code="200"}
+    Metrics::Histogram* duration = nullptr;  // request_duration_seconds{route}
+    Metrics::Histogram* ttfb[2] = {};        // time_to_first_byte_seconds{route, stream=false|true}
+  };
+  RouteCells route_cells[3];                     // completions, chat_completions, forward
+  std::vector<Metrics::Counter*> routed_cells;   // routed_total{replica}
+  Metrics::Histogram* decision_seconds = nullptr;
+  Metrics::Counter* decision_cells[3][6] = {};   // route_decisions_total{outcome, reason}
+  void init_metric_cells();
+
   // proxy.cpp
   http::Task<void> handle(http::Request& req, http::ResponseWriter& w);
   http::Task<void> handle_relay(http::Request& req, http::ResponseWriter& w, bool routed, const std::string& rid);

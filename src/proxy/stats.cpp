@@ -1,4 +1,5 @@
 // GET /proxy/stats (proxy.md §2.4) and GET /metrics (§4.8).
+#include <algorithm>
 #include <cmath>
 
 #include "proxy/proxy_impl.h"
@@ -15,31 +16,40 @@ const std::vector<double>& histogram_bounds() {
   return b;
 }
 
-void Metrics::inc(const std::string& name, const std::string& labels, double by) {
-  std::lock_guard lk(mu_);
-  counters_[name][labels] += by;
+namespace {
+template <typename T, typename M>
+T& cell_of(std::mutex& mu, M& series, std::string_view name, std::string_view labels) {
+  std::lock_guard lk(mu);
+  auto it = series.find(name);
+  if (it == series.end()) it = series.emplace(std::string(name), typename M::mapped_type{}).first;
+  auto jt = it->second.find(labels);
+  if (jt == it->second.end()) jt = it->second.emplace(std::string(labels), std::make_unique<T>()).first;
+  return *jt->second;
+}
+}  // namespace
+
+Metrics::Counter& Metrics::counter_cell(std::string_view name, std::string_view labels) {
+  return cell_of<Counter>(mu_, counters_, name, labels);
 }
 
-void Metrics::observe(const std::string& name, const std::string& labels, double v) {
+Metrics::Histogram& Metrics::histogram_cell(std::string_view name, std::string_view labels) {
+  return cell_of<Histogram>(mu_, hists_, name, labels);
+}
+
+void Metrics::Histogram::observe(double v) {
   const auto& b = histogram_bounds();
-  std::lock_guard lk(mu_);
-  Hist& h = hists_[name][labels];
-  if (h.buckets.empty()) h.buckets.assign(b.size(), 0);
-  for (std::size_t i = 0; i < b.size(); ++i)
-    if (v <= b[i]) {
-      ++h.buckets[i];
-      break;
-    }
-  h.sum += v;
-  ++h.count;
+  const auto i = static_cast<std::size_t>(std::lower_bound(b.begin(), b.end(), v) - b.begin());
+  if (i < b.size()) buckets_[i].fetch_add(1, std::memory_order_relaxed);
+  sum_.fetch_add(v, std::memory_order_relaxed);
+  count_.fetch_add(1, std::memory_order_relaxed);
 }
 
-double Metrics::counter(const std::string& name, const std::string& labels) const {
+double Metrics::counter(std::string_view name, std::string_view labels) const {
   std::lock_guard lk(mu_);
   auto it = counters_.find(name);
   if (it == counters_.end()) return 0;
   auto jt = it->second.find(labels);
-  return jt == it->second.end() ? 0 : jt->second;
+  return jt == it->second.end() ? 0 : jt->second->value();
 }
 
 namespace {
@@ -73,19 +83,21 @@ void Metrics::render(std::string& out, const std::string& prefix) const {
   std::lock_guard lk(mu_);
   for (const auto& [name, series] : counters_) {
     out += "# TYPE " + prefix + name + " counter\n";
-    for (const auto& [labels, v] : series) out += prefix + name + lbl(labels) + " " + num(v) + "\n";
+    for (const auto& [labels, v] : series) out += prefix + name + lbl(labels) + " " + num(v->value()) + "\n";
   }
   for (const auto& [name, series] : hists_) {
     out += "# TYPE " + prefix + name + " histogram\n";
-    for (const auto& [labels, h] : series) {
+    for (const auto& [labels, hp] : series) {
+      const Histogram& h = *hp;
       std::uint64_t cum = 0;
       for (std::size_t i = 0; i < b.size(); ++i) {
-        cum += h.buckets[i];
+        cum += h.bucket(i);
         out += prefix + name + "_bucket" + with(labels, "le=\"" + num(b[i]) + "\"") + " " + std::to_string(cum) + "\n";
       }
-      out += prefix + name + "_bucket" + with(labels, "le=\"+Inf\"") + " " + std::to_string(h.count) + "\n";
-      out += prefix + name + "_sum" + lbl(labels) + " " + num(h.sum) + "\n";
-      out += prefix + name + "_count" + lbl(labels) + " " + std::to_string(h.count) + "\n";
+      const std::uint64_t count = std::max(cum, h.count());  // never below its buckets
+      out += prefix + name + "_bucket" + with(labels, "le=\"+Inf\"") + " " + std::to_string(count) + "\n";
+      out += prefix + name + "_sum" + lbl(labels) + " " + num(h.sum()) + "\n";
+      out += prefix + name + "_count" + lbl(labels) + " " + std::to_string(count) + "\n";
     }
   }
 }
