@@ -9,7 +9,7 @@ is the baseline, the other the change, measured on the same machine within minut
       [--repeats 2] [--out results.json] [--suite cpu]
 
 Suites: `cpu` = bench gemm (small shapes), bench forward (small: prefill, decode at batch
-1/8/64), bench train (small, rows of 4,096). Metrics where lower is better (times) are
+1/8/64), bench train (small, rows of 4,096); `proxy` = bench proxy (32/128/384 concurrent). Metrics where lower is better (times) are
 (unit s or ms) are reported as A/B so that every ratio > 1 means B is better.
 """
 import argparse
@@ -22,6 +22,10 @@ SUITES = {
         ["bench", "gemm", "--preset", "small", "--dtypes", "float32", "--threads", "2"],
         ["bench", "forward", "--presets", "small", "--threads", "2"],
         ["bench", "train", "--preset", "small", "--threads", "2", "--steps", "2"],
+    ],
+    # The proxy in front of stub replicas: CPU per request, throughput, added latency.
+    "proxy": [
+        ["bench", "proxy"],
     ],
 }
 LOWER_UNITS = ("s", "ms")  # times: lower is better, reported as A/B
