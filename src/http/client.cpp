@@ -329,6 +329,7 @@ std::optional<std::uint64_t> ResponseStream::content_length() const {
 }
 bool ResponseStream::chunked() const { return impl_->parser->chunked(); }
 bool ResponseStream::done() const { return impl_->finished; }
+bool ResponseStream::body_complete() const { return impl_->finished || (impl_->parser && impl_->parser->is_done()); }
 bool ResponseStream::reused_connection() const { return impl_->reused; }
 
 Task<CallError> ResponseStream::read(std::string_view& piece) {

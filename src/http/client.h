@@ -88,6 +88,9 @@ class ResponseStream {
   // The whole (rest of the) body, at most `limit` bytes kept (the rest is read and dropped).
   Task<CallError> read_all(std::string& out, std::size_t limit = 16u << 20);
   bool done() const;
+  // The whole body has been read from the upstream (the last piece may not have been returned to
+  // the caller's loop as "done" yet): the upstream's work for this call is over.
+  bool body_complete() const;
   bool reused_connection() const;
 
  private:

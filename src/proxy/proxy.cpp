@@ -393,15 +393,23 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     Replica& rep = *replicas[static_cast<std::size_t>(pick)];
     rep.inflight_all.fetch_add(1);
     routed_cells[static_cast<std::size_t>(pick)]->inc();
+    // The replica's in-flight count (the router's load signal) drops when the upstream has
+    // answered in full, not after the relay to the client: a slow client, or the proxy's own
+    // writing, is no load on the replica (and counting it made spills, hence unmatched routing,
+    // more frequent the faster the answers came).
     struct Release {
       Proxy::Impl* self;
       Replica* rep;
       bool routed;
       int pick;
-      ~Release() {
+      bool released = false;
+      void now() {
+        if (released) return;
+        released = true;
         rep->inflight_all.fetch_sub(1);
         if (routed) self->router.release(pick);
       }
+      ~Release() { now(); }
     } release{this, &rep, routed, pick};
 
     const auto tcall = Clock::now();
@@ -502,6 +510,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
         first_piece = false;
         cells.ttfb[stream ? 1 : 0]->observe(std::chrono::duration<double>(Clock::now() - tcall).count());
       }
+      if (up.body_complete()) release.now();
       if (piece.empty() && up.done()) break;
       if (routed) cached.feed(piece);
       if (!co_await w.write(piece)) {
