@@ -6,6 +6,7 @@
 // cancelled around every read and write.
 #include <utility>
 
+#include <sys/socket.h>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
@@ -22,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -392,19 +394,24 @@ class Server::Impl {
     s->close();
   }
 
-  // Notices the client leaving while the handler runs: a peek of one byte, issued as an ordinary
-  // (speculative) receive, so it costs one recv that finds nothing instead of re-arming the
-  // socket in epoll as a readiness wait does; it consumes nothing, so a pipelined request stays
-  // in the socket for the session.
   net::awaitable<void> watch(std::shared_ptr<Session> s, std::shared_ptr<WatchState> ws, Writer* w) {
-    char c;
-    error_code ec;
-    const std::size_t n = co_await s->sock.async_receive(net::buffer(&c, 1), tcp::socket::message_peek,
-                                                         net::redirect_error(net::use_awaitable, ec));
-    if (!ws->active) co_return;
-    if (ec == net::error::operation_aborted) co_return;
-    if (ec || n == 0) w->client_gone().fire();  // reset, or end of stream
-    // Otherwise the client pipelined its next request: stop watching.
+    for (;;) {
+      error_code ec;
+      co_await s->sock.async_wait(tcp::socket::wait_read, net::redirect_error(net::use_awaitable, ec));
+      if (!ws->active) co_return;
+      if (ec) {
+        if (ec != net::error::operation_aborted) w->client_gone().fire();
+        co_return;
+      }
+      // Never block the strand here: readiness can be spurious, and a blocking peek would hold
+      // this connection's strand (and the handler's wake-ups) until the client sends or leaves.
+      char c;
+      const ssize_t n = ::recv(s->sock.native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (n <= 0) w->client_gone().fire();
+      // Otherwise the client pipelined its next request: stop watching.
+      co_return;
+    }
   }
 
   // Answers and closes. Lingering close: the client may still be sending a body we refused (413);

@@ -3,9 +3,12 @@
 // Thread model: one io_context run by `threads` threads. Each accepted connection is one coroutine
 // on its own strand; its handler calls and every client call the handler makes run on that strand.
 // Keep-alive: requests on a connection are served one after another.
+// Framing: our own strict HTTP/1.1 request parser (http/parse.h: what is refused, with which status).
 // Limits: headers > max_header_bytes -> 431; body > max_body_bytes -> 413 as soon as
 // Content-Length or the bytes read exceed it (then the connection closes). A request's headers and
-// body must arrive within client_timeout; an idle keep-alive connection closes after idle_timeout.
+// body must arrive within client_timeout (else 408); an idle keep-alive connection closes after
+// idle_timeout. Timeouts are enforced by one sweeper per server, so they fire up to one tick late
+// (an eighth of the shortest timeout, 5-250 ms).
 // Connections: at most max_connections open; past it a new one is answered 503 and closed. An
 // accept that fails (out of descriptors) is retried after 50 ms, logged at most once a second.
 // Client disconnect: while the handler runs, a readiness wait on the socket notices the peer

@@ -1,0 +1,129 @@
+// The HTTP server's connection handling seen from a raw socket: a client that half-closes after its
+// request gets its answer and the close at once (not at the idle timeout), pipelined requests are
+// all answered, and a head that never ends gets 408 from the timeout sweeper.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+
+#include "http/server.h"
+
+namespace lorasync::http {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Echo {
+  Server server;
+  explicit Echo(ServerOptions o)
+      : server(o, [](Request& req, ResponseWriter& w) -> Task<void> {
+          co_await w.send(json_response(200, "{\"path\":\"" + std::string(req.path()) + "\"}"));
+        }) {
+    server.start();
+  }
+};
+
+int connect_to(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  return fd;
+}
+
+// Everything the server sends until it closes, or until `limit` passes; `closed` says which.
+std::string read_until_close(int fd, double limit_s, bool& closed) {
+  std::string out;
+  closed = false;
+  const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit_s));
+  char buf[4096];
+  while (Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now()).count();
+    if (::poll(&p, 1, static_cast<int>(std::max<long>(1, left))) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) {
+      closed = true;
+      break;
+    }
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  return out;
+}
+
+std::size_t count(const std::string& s, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t p = 0; (p = s.find(what, p)) != std::string::npos; p += what.size()) ++n;
+  return n;
+}
+
+TEST(HttpServer, AClientThatHalfClosesGetsItsAnswerAndTheCloseAtOnce) {
+  ServerOptions o;
+  o.idle_timeout_s = 30;  // a close that waited for it would fail the test
+  Echo e(o);
+  for (int i = 0; i < 20; ++i) {
+    const int fd = connect_to(e.server.port());
+    const std::string req = "GET /a HTTP/1.1\r\nHost: x\r\n\r\n";
+    ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+    ::shutdown(fd, SHUT_WR);
+    bool closed = false;
+    const auto t0 = Clock::now();
+    const std::string got = read_until_close(fd, 5, closed);
+    ::close(fd);
+    EXPECT_TRUE(closed);
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0) << "closed at a timeout, not at once";
+    EXPECT_EQ(got.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << got;
+    EXPECT_NE(got.find("{\"path\":\"/a\"}"), std::string::npos) << got;
+  }
+}
+
+TEST(HttpServer, PipelinedRequestsAreAllAnsweredInOrder) {
+  ServerOptions o;
+  o.idle_timeout_s = 30;
+  Echo e(o);
+  const int fd = connect_to(e.server.port());
+  std::string reqs;
+  for (int i = 0; i < 5; ++i) reqs += "GET /p" + std::to_string(i) + " HTTP/1.1\r\nHost: x\r\n\r\n";
+  reqs += "GET /last HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  ASSERT_EQ(::send(fd, reqs.data(), reqs.size(), 0), static_cast<ssize_t>(reqs.size()));
+  bool closed = false;
+  const std::string got = read_until_close(fd, 5, closed);
+  ::close(fd);
+  EXPECT_TRUE(closed);
+  EXPECT_EQ(count(got, "HTTP/1.1 200 OK"), 6u) << got;
+  std::size_t at = 0;
+  for (const std::string p : {"/p0", "/p1", "/p2", "/p3", "/p4", "/last"}) {
+    const std::size_t next = got.find("\"" + p + "\"", at);
+    ASSERT_NE(next, std::string::npos) << p << " missing or out of order";
+    at = next;
+  }
+}
+
+TEST(HttpServer, AHeadThatNeverEndsGets408FromTheSweeper) {
+  ServerOptions o;
+  o.client_timeout_s = 0.3;
+  Echo e(o);
+  const int fd = connect_to(e.server.port());
+  const std::string part = "GET / HTTP/1.1\r\nHost: x\r\n";  // no blank line
+  ASSERT_EQ(::send(fd, part.data(), part.size(), 0), static_cast<ssize_t>(part.size()));
+  bool closed = false;
+  const auto t0 = Clock::now();
+  const std::string got = read_until_close(fd, 5, closed);
+  ::close(fd);
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_TRUE(closed);
+  EXPECT_EQ(got.rfind("HTTP/1.1 408", 0), 0u) << got;
+  EXPECT_GE(took, 0.25);
+  EXPECT_LT(took, 3.0);  // the timeout plus a tick and the linger, not more
+}
+
+}  // namespace
+}  // namespace lorasync::http
