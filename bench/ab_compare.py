@@ -9,8 +9,8 @@ is the baseline, the other the change, measured on the same machine within minut
       [--repeats 2] [--out results.json] [--suite cpu]
 
 Suites: `cpu` = bench gemm (small shapes), bench forward (small: prefill, decode at batch
-1/8/64), bench train (small, rows of 4,096); `proxy` = bench proxy (32/128/384 concurrent). Metrics where lower is better (times) are
-(unit s or ms) are reported as A/B so that every ratio > 1 means B is better.
+1/8/64), bench train (small, rows of 4,096); `proxy` = bench proxy (32/128/384 concurrent).
+Metrics where lower is better (times) are (unit s or ms) are reported as A/B so that every ratio > 1 means B is better.
 """
 import argparse
 import json

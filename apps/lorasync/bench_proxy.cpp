@@ -3,8 +3,9 @@
 // Baseline (same run): the same load sent directly to the stubs (round robin). Reports req/s,
 // proxy-added latency p50/p99 (client latency minus the stub's reported service time; over the
 // requests after each worker's first, with the p99 of all of them reported too), proxy CPU
-// seconds per 1k requests (the scheduler's nanosecond counters of every proxy thread), proxy peak RSS, bytes per tracked block at 500k entries, routing
-// counters and the stubs' ground-truth prefix reuse.
+// seconds per 1k requests (the scheduler's nanosecond counters of every proxy thread), proxy peak
+// RSS, bytes per tracked block at 500k entries, routing counters and the stubs' ground-truth prefix
+// reuse.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>

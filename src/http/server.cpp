@@ -445,16 +445,13 @@ class Server::Impl {
     return opts.max_body_bytes;
   }
 
-  // Reads the body framed by `head` into req.body (what the head's buffer already holds first).
-  // Returns 0, or the status of a refusal with `perr` set; `ec` set when the connection failed.
-  net::awaitable<int> read_body(Session& s, const RequestHead& head, std::uint64_t limit, Request& req,
-                                ParseError& perr, error_code& ec) {
-    if (head.content_length) {
-      const std::uint64_t len = *head.content_length;
-      if (len > limit) {
-        perr.message = "request body exceeds " + std::to_string(limit) + " bytes";
-        co_return 413;
-      }
+  // Reads the body (Content-Length, already checked against `limit`, or chunked) into req.body,
+  // what the session's buffer already holds first. Returns 0, or the status of a refusal with
+  // `perr` set; `ec` set when the connection failed.
+  net::awaitable<int> read_body(Session& s, std::optional<std::uint64_t> content_length, bool chunked,
+                                std::uint64_t limit, Request& req, ParseError& perr, error_code& ec) {
+    if (content_length) {
+      const std::uint64_t len = *content_length;
       const std::size_t have = static_cast<std::size_t>(std::min<std::uint64_t>(len, s.in.size()));
       req.body.assign(s.in.view().substr(0, have));
       s.in.consume(have);
@@ -465,7 +462,7 @@ class Server::Impl {
       }
       co_return 0;
     }
-    if (!head.chunked) co_return 0;
+    if (!chunked) co_return 0;
     ChunkedDecoder dec(limit, opts.max_header_bytes);
     for (;;) {
       std::size_t used = 0;
@@ -570,10 +567,7 @@ class Server::Impl {
                                     net::redirect_error(net::use_awaitable, ec));
           if (ec) break;
         }
-        RequestHead framing;
-        framing.chunked = chunked;
-        framing.content_length = content_length;
-        const int refusal = co_await read_body(*s, framing, body_limit, req, perr, ec);
+        const int refusal = co_await read_body(*s, content_length, chunked, body_limit, req, perr, ec);
         if (ec) {
           if (s->timed_out) co_await reply_and_close(s, 408, "request not received within the client timeout");
           break;

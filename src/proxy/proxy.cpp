@@ -141,9 +141,8 @@ Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)
 }
 
 void Proxy::Impl::init_metric_cells() {
-  const char* routes[3] = {"completions", "chat_completions", "forward"};
   for (int i = 0; i < 3; ++i) {
-    const std::string route = std::string("route=\"") + routes[i] + "\"";
+    const std::string route = std::string("route=\"") + kRelayRoutes[i] + "\"";
     route_cells[i].ok = &metrics.counter_cell("requests_total", route + ",code=\"200\"");
     route_cells[i].duration = &metrics.histogram_cell("request_duration_seconds", route);
     route_cells[i].ttfb[0] = &metrics.histogram_cell("time_to_first_byte_seconds", route + ",stream=\"false\"");
@@ -152,8 +151,8 @@ void Proxy::Impl::init_metric_cells() {
   for (std::size_t r = 0; r < replicas.size(); ++r)
     routed_cells.push_back(&metrics.counter_cell("routed_total", "replica=\"" + std::to_string(r) + "\""));
   decision_seconds = &metrics.histogram_cell("route_decision_seconds", "");
-  for (int o = 0; o < 3; ++o)
-    for (int r = 0; r < 6; ++r)
+  for (int o = 0; o < kOutcomeCount; ++o)
+    for (int r = 0; r < kReasonCount; ++r)
       decision_cells[o][r] = &metrics.counter_cell(
           "route_decisions_total", std::string("outcome=\"") + outcome_name(static_cast<Outcome>(o)) +
                                        "\",reason=\"" + reason_name(static_cast<Reason>(r)) + "\"");
@@ -313,7 +312,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
                                            const std::string& rid) {
   const auto t0 = Clock::now();
   const int route_index = routed ? (req.path() == "/v1/completions" ? 0 : 1) : 2;
-  const char* const route = route_index == 0 ? "completions" : route_index == 1 ? "chat_completions" : "forward";
+  const char* const route = kRelayRoutes[route_index];
   RouteCells& cells = route_cells[route_index];
   auto finish_code = [&](int code) {
     if (code == 200) cells.ok->inc();

@@ -118,10 +118,11 @@ class Proxy::Impl {
     Metrics::Histogram* duration = nullptr;  // request_duration_seconds{route}
     Metrics::Histogram* ttfb[2] = {};        // time_to_first_byte_seconds{route, stream=false|true}
   };
-  RouteCells route_cells[3];                     // completions, chat_completions, forward
+  static constexpr const char* kRelayRoutes[3] = {"completions", "chat_completions", "forward"};
+  RouteCells route_cells[3];                     // by kRelayRoutes
   std::vector<Metrics::Counter*> routed_cells;   // routed_total{replica}
   Metrics::Histogram* decision_seconds = nullptr;
-  Metrics::Counter* decision_cells[3][6] = {};   // route_decisions_total{outcome, reason}
+  Metrics::Counter* decision_cells[kOutcomeCount][kReasonCount] = {};  // route_decisions_total{outcome, reason}
   void init_metric_cells();
 
   // proxy.cpp

@@ -28,6 +28,8 @@ inline constexpr int kMaxReplicas = 64;
 
 enum class Outcome : std::uint8_t { kAffinity, kSpilled, kUnmatched };
 enum class Reason : std::uint8_t { kNone, kImbalance, kOwnerUnavailable, kNoBlocks, kCold, kCommonOnly };
+inline constexpr int kOutcomeCount = 3;  // values of Outcome
+inline constexpr int kReasonCount = 6;   // values of Reason
 const char* outcome_name(Outcome o);
 const char* reason_name(Reason r);
 
