@@ -2,9 +2,13 @@
 // model's own shapes, each reported with the peak as its same-run baseline (ratio = utilisation).
 #include <ATen/Context.h>
 
+#include <ATen/ATen.h>
+
+#include <chrono>
 #include <cstdio>
 
 #include "commands.h"
+#include "core/model/cpu_kernels.h"
 #include "core/model/perf.h"
 #include "core/model/qwen2_config.h"
 #include "core/model/runtime.h"
@@ -53,6 +57,42 @@ int run(const BenchGemmOptions& o) {
       c["k"] = s.k;
       c["preset"] = o.preset;
       rep.emit({"gemm", std::string(s.name) + "_gflops", g, "GFLOP/s", peak, c});
+    }
+  }
+  // Our decode kernel (cpu::linear: dot products below kGemmMinRows rows, the outer-product
+  // kernel from there) against BLAS on the same fp32 CPU shapes, BLAS timed first.
+  if (device.is_cpu()) {
+    const auto d = cfg.hidden_size;
+    for (std::int64_t m : {16, 64, 256}) {
+      struct Shape {
+        const char* name;
+        std::int64_t n, k;
+      } shapes[] = {{"gate_up_proj", 2 * cfg.intermediate_size, d}, {"down_proj", d, cfg.intermediate_size},
+                    {"lm_head", cfg.vocab_size, d}};
+      for (const auto& s : shapes) {
+        auto x = at::randn({m, s.k});
+        auto w = at::randn({s.n, s.k});
+        auto y = at::empty({m, s.n});
+        const double blas = model::gemm_gflops(m, s.n, s.k, at::kFloat, device, o.seconds);
+        model::cpu::LinearOut part{w.data_ptr<float>(), nullptr, s.n, y.data_ptr<float>(), s.n};
+        auto once = [&] { model::cpu::linear(x.data_ptr<float>(), m, s.k, s.k, std::span(&part, 1)); };
+        once();  // warm-up
+        using clk = std::chrono::steady_clock;
+        int iters = 0;
+        const auto t0 = clk::now();
+        double elapsed = 0;
+        do {
+          once();
+          ++iters;
+          elapsed = std::chrono::duration<double>(clk::now() - t0).count();
+        } while (elapsed < o.seconds);
+        const double ours = 2.0 * static_cast<double>(m * s.n * s.k) * iters / elapsed / 1e9;
+        nlohmann::json c = {{"dtype", "float32"}, {"device", "cpu"}, {"threads", model::compute_threads()},
+                            {"shape", s.name}, {"m", m}, {"n", s.n}, {"k", s.k}, {"preset", o.preset},
+                            {"baseline", "blas"}};
+        rep.emit({"gemm", std::string("ours_") + s.name + "_m" + std::to_string(m) + "_gflops", ours, "GFLOP/s",
+                  blas, c});
+      }
     }
   }
   rep.print_table();

@@ -27,29 +27,16 @@ bool fp32_cpu_contiguous(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
 }
 
-// Up to this many rows our kernels stream each weight once (1.1-1.4x the BLAS product at 8-32
-// rows on the small preset); above, BLAS's packed GEMM wins.
-constexpr std::int64_t kKernelMaxRows = 32;
+// Up to this many rows our kernels (cpu::linear) run the products; above, BLAS. Decode tok/s on
+// the small preset, 2 threads, MKL (the wheel's BLAS) vs ours: 512 vs 690 at 128 rows, 538 vs 662
+// at 256, 611 vs 629 at 512 (the LM head on BLAS in both at 512).
+constexpr std::int64_t kKernelMaxRows = 512;
 // Steps of up to this many tokens (decode rows, prefill chunks, mixed steps) take the fast path
 // (its elementwise steps split large batches over the threads too); above, the libtorch path.
 constexpr std::int64_t kFastPathMaxTokens = 4096;
-// Up to this many rows the BLAS product is taken as (w x^T)^T: MKL packs the small x^T instead of
-// the weight for every call (1.1-1.8x on decode shapes, measured with the wheel's MKL).
-constexpr std::int64_t kBlasTransposedMaxRows = 256;
 
 // y [M, N] = x w^T (+ bias) through BLAS, into y.
 void blas_linear_into(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
-  at::Tensor yt;
-  if (x.size(0) <= kBlasTransposedMaxRows) {
-    if (bias != nullptr) {
-      auto b = at::from_blob(const_cast<float*>(bias), {w.size(0), 1}, at::TensorOptions().dtype(at::kFloat));
-      yt = at::addmm(b, w, x.t());
-    } else {
-      yt = at::mm(w, x.t());
-    }
-    y.copy_(yt.t());
-    return;
-  }
   if (bias != nullptr) {
     auto b = at::from_blob(const_cast<float*>(bias), {w.size(0)}, at::TensorOptions().dtype(at::kFloat));
     at::addmm_out(y, b, x, w.t());
@@ -95,10 +82,10 @@ struct LoraOut {
 };
 
 // The LoRA deltas of every adapter of the batch for outputs that share the input x, with the
-// maths of LoraBatch::apply (y += s * B (A x) per row) on our kernels: per adapter, its rows of x
-// gathered once for all the outputs, then two thin products per targeted module.
-// LoraBatch::apply spends ~5 dispatcher round trips per (adapter, module, layer), which at rank 8
-// cost more than the arithmetic.
+// maths of LoraBatch::apply (y += s * B (A x) per row) in one cpu::lora_deltas call: two parallel
+// regions whatever the number of adapters and targeted modules. (LoraBatch::apply spends ~5
+// dispatcher round trips per adapter, module and layer; one region per product, as before this,
+// cost 1.4x the base model's step with 5 adapters of rank 8 at 16 streams.)
 void lora_into(const LoraBatch& lora, const at::Tensor& x, std::int64_t layer, std::initializer_list<LoraOut> outs) {
   for (const auto& part : lora.parts())
     for (const auto& o : outs)
@@ -110,42 +97,45 @@ void lora_into(const LoraBatch& lora, const at::Tensor& x, std::int64_t layer, s
         return;
       }
   const auto M = x.size(0), in = x.size(1);
-  auto f32 = at::TensorOptions().dtype(at::kFloat);
-  for (const auto& part : lora.parts()) {
-    at::Tensor rows, xs = x;
+  std::vector<at::Tensor> rows(lora.parts().size());
+  std::vector<cpu::LoraDelta> deltas;
+  for (std::size_t pi = 0; pi < lora.parts().size(); ++pi) {
+    const auto& part = lora.parts()[pi];
     const std::int64_t* ri = nullptr;
     std::int64_t R = M;
+    if (part.rows.defined()) {
+      rows[pi] = part.rows.to(at::kLong).contiguous();
+      R = rows[pi].numel();
+      ri = rows[pi].data_ptr<std::int64_t>();
+      for (std::int64_t i = 0; i < R; ++i)
+        if (ri[i] < 0 || ri[i] >= M) throw_invalid("LoRA row {} outside the batch of {}", ri[i], M);
+    }
     for (const auto& o : outs) {
       if (!part.adapter->config().targets_module(o.m)) continue;
-      if (part.rows.defined() && ri == nullptr) {  // gather this adapter's rows once
-        rows = part.rows.to(at::kLong).contiguous();
-        R = rows.numel();
-        ri = rows.data_ptr<std::int64_t>();
-        xs = at::empty({R, in}, f32);
-        for (std::int64_t i = 0; i < R; ++i) {
-          if (ri[i] < 0 || ri[i] >= M) throw_invalid("LoRA row {} outside the batch of {}", ri[i], M);
-          std::memcpy(xs.data_ptr<float>() + i * in, x.data_ptr<float>() + ri[i] * in,
-                      static_cast<std::size_t>(in) * sizeof(float));
-        }
-      }
       const auto& A = part.adapter->A(layer, o.m);
       const auto& B = part.adapter->B(layer, o.m);
-      const auto r = A.size(0), out = o.y->size(1);
-      const float s = static_cast<float>(part.adapter->config().scaling());
-      auto t = at::empty({R, r}, f32), d = at::empty({R, out}, f32);
-      cpu::LinearOut pa{A.data_ptr<float>(), nullptr, r, t.data_ptr<float>(), r};
-      cpu::linear(xs.data_ptr<float>(), R, in, in, std::span<const cpu::LinearOut>(&pa, 1));
-      cpu::LinearOut pb{B.data_ptr<float>(), nullptr, out, d.data_ptr<float>(), out};
-      cpu::linear(t.data_ptr<float>(), R, r, r, std::span<const cpu::LinearOut>(&pb, 1));
-      float* yp = o.y->data_ptr<float>();
-      const float* dp = d.data_ptr<float>();
-      for (std::int64_t i = 0; i < R; ++i) {
-        float* yr = yp + (ri ? ri[i] : i) * out;
-        const float* dr = dp + i * out;
-        for (std::int64_t j = 0; j < out; ++j) yr[j] += dr[j] * s;
-      }
+      deltas.push_back({A.data_ptr<float>(), B.data_ptr<float>(), A.size(0),
+                        static_cast<float>(part.adapter->config().scaling()), ri, R, o.y->data_ptr<float>(),
+                        o.y->size(1), o.y->size(1)});
     }
   }
+  if (!deltas.empty()) cpu::lora_deltas(x.data_ptr<float>(), in, in, deltas);
+}
+
+// The LM head's output, [rows, vocab] fp32, in a buffer this thread reuses once its caller has let
+// go of the previous one (no other reference to its storage). A fresh buffer of a batch-64 step on
+// the Qwen2 vocabulary is 39 MB, above glibc's largest mmap threshold, so every step mapped it anew
+// and the kernel faulted in and zeroed every page: about 5% of the step. Buffers up to
+// kReusedLogitsBytes are kept (one per thread); larger ones are allocated per call.
+constexpr std::int64_t kReusedLogitsBytes = std::int64_t{128} << 20;
+
+at::Tensor reusable_logits(std::int64_t rows, std::int64_t vocab) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const std::int64_t need = rows * vocab;
+  if (need * static_cast<std::int64_t>(sizeof(float)) > kReusedLogitsBytes) return at::empty({rows, vocab}, f32);
+  thread_local at::Tensor buf;
+  if (!buf.defined() || buf.storage().use_count() != 1 || buf.numel() < need) buf = at::empty({need}, f32);
+  return buf.narrow(0, 0, need).view({rows, vocab});
 }
 
 }  // namespace
@@ -317,10 +307,10 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
 at::Tensor Qwen2Model::logits(const at::Tensor& hidden) const {
   const auto& w = lm_head_weight();
   if (cpu_fast_paths() && fp32_cpu_contiguous(w) && hidden.dim() == 2 && hidden.device().is_cpu() &&
-      hidden.scalar_type() == at::kFloat && hidden.size(0) <= kBlasTransposedMaxRows &&
+      hidden.scalar_type() == at::kFloat && hidden.size(0) <= kKernelMaxRows &&
       hidden.size(1) == w.size(1) && !(c10::GradMode::is_enabled() && hidden.requires_grad())) {
     auto x = hidden.contiguous();
-    auto y = at::empty({x.size(0), w.size(0)}, at::TensorOptions().dtype(at::kFloat));
+    auto y = reusable_logits(x.size(0), w.size(0));
     linear_into(x, {{&w, nullptr, &y}});
     return y;
   }

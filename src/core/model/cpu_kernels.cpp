@@ -223,6 +223,127 @@ __attribute__((target("avx2,fma"))) void axpy_avx2(float a, const float* x, floa
     _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
+
+// y[j] += sum_k t[k] bt[k * n + j] for j < n: each piece of y loaded and stored once for r
+// multiply-adds.
+__attribute__((target("avx2,fma"))) void rank_update_avx2(const float* t, const float* bt, std::int64_t r,
+                                                          std::int64_t n, float* y) {
+  std::int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 a0 = _mm256_loadu_ps(y + j), a1 = _mm256_loadu_ps(y + j + 8);
+    for (std::int64_t k = 0; k < r; ++k) {
+      const __m256 tk = _mm256_broadcast_ss(t + k);
+      a0 = _mm256_fmadd_ps(tk, _mm256_loadu_ps(bt + k * n + j), a0);
+      a1 = _mm256_fmadd_ps(tk, _mm256_loadu_ps(bt + k * n + j + 8), a1);
+    }
+    _mm256_storeu_ps(y + j, a0);
+    _mm256_storeu_ps(y + j + 8, a1);
+  }
+  for (; j < n; ++j) {
+    float acc = y[j];
+    for (std::int64_t k = 0; k < r; ++k) acc += t[k] * bt[k * n + j];
+    y[j] = acc;
+  }
+}
+// The 8 sums of a[0..7], one per lane, in order.
+__attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[j] = scale * (q . k_j) for the L keys at kp[j] (hd a multiple of 8): eight keys at a time, one
+// accumulator each, reduced together.
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* const* kp, std::int64_t L,
+                                                     std::int64_t hd, float scale, float* s) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  std::int64_t j = 0;
+  for (; j + 8 <= L; j += 8) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (std::int64_t d = 0; d < hd; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j + u] + d), acc[u]);
+    }
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(acc), sc));
+  }
+  for (; j < L; ++j) s[j] = dot_avx2(q, kp[j], hd) * scale;
+}
+
+// out[0 .. 8 NC) = sum_j p[j] v_j[d0 ..] for the L values at vp[j] + d0: the output in registers.
+template <int NC>
+__attribute__((target("avx2,fma"))) void weighted_sum_avx2(const float* p, const float* const* vp, std::int64_t L,
+                                                           std::int64_t d0, float* out) {
+  __m256 acc[NC];
+  for (int u = 0; u < NC; ++u) acc[u] = _mm256_setzero_ps();
+  for (std::int64_t j = 0; j < L; ++j) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+    const float* v = vp[j] + d0;
+#pragma GCC unroll 8
+    for (int u = 0; u < NC; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * u), acc[u]);
+  }
+  for (int u = 0; u < NC; ++u) _mm256_storeu_ps(out + 8 * u, acc[u]);
+}
+
+// softmax in place over s[0 .. L): exp(s - max) / sum, the exponentials vectorised.
+__attribute__((target("avx2,fma"))) void softmax_avx2(float* s, std::int64_t L) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  std::int64_t j = 0;
+  for (; j + 8 <= L; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float mx = lanes[0];
+  for (int u = 1; u < 8; ++u) mx = std::max(mx, lanes[u]);
+  for (; j < L; ++j) mx = std::max(mx, s[j]);
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  j = 0;
+  for (; j + 8 <= L; j += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), mxv));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  _mm256_store_ps(lanes, sum);
+  double total = 0;
+  for (int u = 0; u < 8; ++u) total += lanes[u];
+  for (; j < L; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    total += s[j];
+  }
+  const __m256 inv = _mm256_set1_ps(static_cast<float>(1.0 / total));
+  j = 0;
+  for (; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+  for (; j < L; ++j) s[j] *= static_cast<float>(1.0 / total);
+}
+
+// One (sequence, KV head) task of decode_attention, hd a multiple of 8: per query head, its scores
+// eight keys at a time, a vectorised softmax, then the weighted values summed into registers, up
+// to 64 dimensions at a time.
+__attribute__((target("avx2,fma"))) void attention_task_avx2(const float* qb, const float* const* kp,
+                                                             const float* const* vp, std::int64_t L,
+                                                             std::int64_t g, std::int64_t hd, float scale,
+                                                             float* s, float* ob) {
+  using WeightedSum = void (*)(const float*, const float* const*, std::int64_t, std::int64_t, float*);
+  static constexpr WeightedSum kSums[9] = {nullptr,
+                                           weighted_sum_avx2<1>,
+                                           weighted_sum_avx2<2>,
+                                           weighted_sum_avx2<3>,
+                                           weighted_sum_avx2<4>,
+                                           weighted_sum_avx2<5>,
+                                           weighted_sum_avx2<6>,
+                                           weighted_sum_avx2<7>,
+                                           weighted_sum_avx2<8>};
+  for (std::int64_t i = 0; i < g; ++i) {
+    scores_avx2(qb + i * hd, kp, L, hd, scale, s);
+    softmax_avx2(s, L);
+    for (std::int64_t d0 = 0; d0 < hd; d0 += 64) {
+      const auto nc = static_cast<int>(std::min<std::int64_t>(64, hd - d0) / 8);
+      kSums[nc](s, vp, L, d0, ob + i * hd + d0);
+    }
+  }
+}
 #endif
 
 using RowFn = void (*)(const float*, std::int64_t, const float*, std::int64_t, float*, std::int64_t, float);
@@ -265,6 +386,12 @@ bool set_force_portable(bool on) { return g_force_portable.exchange(on); }
 
 void linear(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
             std::span<const LinearOut> parts) {
+  if (M >= kGemmMinRows && use_avx2()) return linear_gemm(x, M, K, ldx, parts);
+  linear_rows(x, M, K, ldx, parts);
+}
+
+void linear_rows(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
+                 std::span<const LinearOut> parts) {
   if (M <= 0) return;
   // Chunks of weight rows small enough to balance the threads, large enough (>= 64 KiB of
   // weights) that a chunk's start-up cost is noise.
@@ -278,6 +405,68 @@ void linear(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
     for (std::int64_t c = b; c < e; ++c) {
       const Chunk& ch = chunks[static_cast<std::size_t>(c)];
       rows_range(x, M, K, ldx, parts[ch.part], ch.n0, ch.n1, avx);
+    }
+  });
+}
+
+void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<const LoraDelta> deltas) {
+  constexpr std::int64_t kRowBlock = 8;     // rows of x gathered per task of the A products
+  constexpr std::int64_t kOutBlock = 256;   // outputs per task of the B products
+  const bool avx = use_avx2();
+  // t = (A x) * scale, per delta n_rows x r, one buffer.
+  std::vector<std::int64_t> t_off(deltas.size() + 1, 0);
+  std::vector<Chunk> a_tasks, b_tasks;  // Chunk::part = delta, [n0, n1) = rows or outputs
+  for (std::size_t d = 0; d < deltas.size(); ++d) {
+    const auto& dl = deltas[d];
+    t_off[d + 1] = t_off[d] + dl.n_rows * dl.r;
+    for (std::int64_t i = 0; i < dl.n_rows; i += kRowBlock) a_tasks.push_back({d, i, std::min(dl.n_rows, i + kRowBlock)});
+    for (std::int64_t n = 0; n < dl.out; n += kOutBlock) b_tasks.push_back({d, n, std::min(dl.out, n + kOutBlock)});
+  }
+  thread_local std::vector<float> t_buf;
+  t_buf.resize(static_cast<std::size_t>(t_off.back()));
+  float* t = t_buf.data();
+  parallel_for(static_cast<std::int64_t>(a_tasks.size()), [&](std::int64_t b, std::int64_t e) {
+    thread_local std::vector<float> xs;
+    xs.resize(static_cast<std::size_t>(kRowBlock * in));
+    for (std::int64_t c = b; c < e; ++c) {
+      const Chunk& task = a_tasks[static_cast<std::size_t>(c)];
+      const LoraDelta& dl = deltas[task.part];
+      const std::int64_t n = task.n1 - task.n0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t row = dl.rows ? dl.rows[task.n0 + i] : task.n0 + i;
+        std::copy_n(x + row * ldx, in, xs.data() + i * in);
+      }
+      float* tt = t + t_off[task.part] + task.n0 * dl.r;
+      rows_range(xs.data(), n, in, in, LinearOut{dl.A, nullptr, dl.r, tt, dl.r}, 0, dl.r, avx);
+      for (std::int64_t i = 0; i < n * dl.r; ++i) tt[i] *= dl.scale;
+    }
+  });
+  parallel_for(static_cast<std::int64_t>(b_tasks.size()), [&](std::int64_t b, std::int64_t e) {
+    thread_local std::vector<float> bt;
+    for (std::int64_t c = b; c < e; ++c) {
+      const Chunk& task = b_tasks[static_cast<std::size_t>(c)];
+      const LoraDelta& dl = deltas[task.part];
+      const std::int64_t n = task.n1 - task.n0;
+      // This block of B transposed: bt[k][j] = B[n0 + j][k].
+      bt.resize(static_cast<std::size_t>(dl.r * n));
+      for (std::int64_t j = 0; j < n; ++j)
+        for (std::int64_t k = 0; k < dl.r; ++k) bt[static_cast<std::size_t>(k * n + j)] = dl.B[(task.n0 + j) * dl.r + k];
+      for (std::int64_t i = 0; i < dl.n_rows; ++i) {
+        const std::int64_t row = dl.rows ? dl.rows[i] : i;
+        const float* ti = t + t_off[task.part] + i * dl.r;
+        float* y = dl.y + row * dl.ldy + task.n0;
+#if LS_X86
+        if (avx) {
+          rank_update_avx2(ti, bt.data(), dl.r, n, y);
+          continue;
+        }
+#endif
+        for (std::int64_t j = 0; j < n; ++j) {
+          float acc = y[j];
+          for (std::int64_t k = 0; k < dl.r; ++k) acc += ti[k] * bt[static_cast<std::size_t>(k * n + j)];
+          y[j] = acc;
+        }
+      }
     }
   });
 }
@@ -372,13 +561,32 @@ void decode_attention(const float* q, const float* k_pool, const float* v_pool, 
     axpy = axpy_avx2;
   }
 #endif
-  // One task per (sequence, KV head): the keys and values of that head are read once for the g
-  // query heads that share them.
+#if LS_X86
+  const bool fast = use_avx2() && hd % 8 == 0;
+#endif
+  // One task per (sequence, KV head): the keys and values of that head are read from memory once
+  // for the g query heads that share them.
   parallel_for(B * nkv, [&](std::int64_t t0, std::int64_t t1) {
     std::vector<float> scores, inv(static_cast<std::size_t>(g));
+    std::vector<const float*> kp, vp;
     for (std::int64_t t = t0; t < t1; ++t) {
       const std::int64_t b = t / nkv, h = t % nkv, L = lens[b];
       const std::int64_t* sl = slots[b];
+#if LS_X86
+      if (fast) {
+        kp.resize(static_cast<std::size_t>(L));
+        vp.resize(static_cast<std::size_t>(L));
+        for (std::int64_t j = 0; j < L; ++j) {
+          kp[static_cast<std::size_t>(j)] = k_pool + (sl[j] * nkv + h) * hd;
+          vp[static_cast<std::size_t>(j)] = v_pool + (sl[j] * nkv + h) * hd;
+        }
+        scores.resize(static_cast<std::size_t>(L));
+        const std::int64_t row = rows ? rows[b] : b;
+        attention_task_avx2(q + (row * nh + h * g) * hd, kp.data(), vp.data(), L, g, hd, scale, scores.data(),
+                            out + (row * nh + h * g) * hd);
+        continue;
+      }
+#endif
       scores.assign(static_cast<std::size_t>(g * L), 0.0f);
       const std::int64_t row = rows ? rows[b] : b;
       const float* qb = q + (row * nh + h * g) * hd;

@@ -37,9 +37,48 @@ struct LinearOut {
 };
 
 // y = x w^T (+ bias) for every part, x [M, K] with row stride ldx; the parts (q/k/v, gate/up)
-// share one parallel region and each weight is read once for all M rows.
+// share one parallel region and each weight is read from memory once for all M rows. Up to
+// kGemmMinRows - 1 rows (or without AVX2) it is linear_rows, from kGemmMinRows linear_gemm.
 void linear(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
             std::span<const LinearOut> parts);
+
+// The rows at which linear() switches from dot products to the outer-product kernel. Measured
+// with `bench forward` (small preset, 2 threads, decode tok/s, dot products vs outer product):
+// 452 vs 306 at 8 rows (the weight stream bounds both), 428 vs 376 at 10, 407 vs 441 at 12,
+// 353 vs 681 at 32, 373 vs 686 at 64.
+inline constexpr std::int64_t kGemmMinRows = 12;
+
+// The dot-product kernel: each weight row in memory order against every row of x (the weight
+// stream is the bound at a few rows). AVX2+FMA or portable.
+void linear_rows(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
+                 std::span<const LinearOut> parts);
+
+// The outer-product kernel (cpu_gemm.cpp): register tiles of 6 weight rows x 16 rows of x over a
+// packed copy of x, weights in their natural layout; bound by the FMA units. AVX2+FMA only:
+// without it (linear_gemm_available() false) it runs linear_rows.
+bool linear_gemm_available();
+void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
+                 std::span<const LinearOut> parts);
+
+// One adapter's low-rank delta on one output: y[row] += scale * B (A x[row]) for each of its rows,
+// A [r, in] and B [out, r] row-major. rows null: rows 0 .. n_rows - 1.
+struct LoraDelta {
+  const float* A = nullptr;
+  const float* B = nullptr;
+  std::int64_t r = 0;
+  float scale = 1.0f;
+  const std::int64_t* rows = nullptr;
+  std::int64_t n_rows = 0;
+  float* y = nullptr;
+  std::int64_t ldy = 0;
+  std::int64_t out = 0;
+};
+
+// Every delta of a batch's adapters on the outputs that share x [*, in] (row stride ldx), in two
+// parallel regions whatever the number of adapters and modules: (A x) * scale for every (delta,
+// block of rows), then the B products as chained multiply-adds into y for every (delta, block of
+// outputs). Deltas must not write the same element of y (adapters own disjoint rows).
+void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<const LoraDelta> deltas);
 
 // out[m] = w * (x[m] * rsqrt(mean(x[m]^2) + eps)), rows of d (out may equal x).
 void rms_norm(const float* x, const float* w, float eps, std::int64_t M, std::int64_t d, float* out);

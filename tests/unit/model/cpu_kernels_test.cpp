@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <iostream>
 #include <random>
 
 #include "core/model/cpu_kernels.h"
@@ -33,7 +34,7 @@ void both_isas(F body) {
 TEST(CpuKernels, LinearEqualsAtLinearForEveryRowCountAndTail) {
   at::manual_seed(1);
   both_isas([] {
-    for (std::int64_t M : {1, 2, 3, 5, 8, 17, 33})
+    for (std::int64_t M : {1, 2, 3, 5, 8, 15, 16, 17, 33, 70})
       for (std::int64_t K : {8, 13, 64, 100})
         for (std::int64_t N : {1, 3, 4, 7, 9, 70}) {
           auto x = at::randn({M, K});
@@ -60,6 +61,74 @@ TEST(CpuKernels, PartsSharingOneInputWriteStridedOutputs) {
     cpu::linear(x.data_ptr<float>(), M, K, K, parts);
     EXPECT_LE(max_rel_diff(y.narrow(1, 0, 24), at::linear(x, wq, bq)), 1e-5);
     EXPECT_LE(max_rel_diff(y.narrow(1, 24, 8), at::linear(x, wk)), 1e-5);
+  });
+}
+
+// The outer-product kernel on its own, at row counts below and above its panel (16) and block
+// (64) sizes, weight-row tails of every tile size (6), K from 1, bias on and off, and strided
+// inputs and outputs shared by two parts. Without AVX2 it runs linear_rows; the test says so.
+TEST(CpuKernels, GemmKernelEqualsAtLinearAcrossPanelsTilesAndBlocks) {
+  if (!cpu::linear_gemm_available()) std::cerr << "no AVX2+FMA: linear_gemm runs the row kernels\n";
+  at::manual_seed(3);
+  for (std::int64_t M : {1, 7, 16, 17, 40, 64, 65, 130})
+    for (std::int64_t K : {1, 7, 64, 129})
+      for (std::int64_t N : {1, 5, 6, 7, 13, 71})
+        for (bool with_bias : {false, true}) {
+          auto x = at::randn({M, K + 3}).narrow(1, 0, K);  // row stride K + 3
+          auto w = at::randn({N, K});
+          auto b = at::randn({N});
+          auto w2 = at::randn({4, K});
+          auto y = at::full({M, N + 4 + 2}, std::nanf(""));  // both parts in one buffer, stride N + 6
+          cpu::LinearOut parts[] = {
+              {w.data_ptr<float>(), with_bias ? b.data_ptr<float>() : nullptr, N, y.data_ptr<float>(), N + 6},
+              {w2.data_ptr<float>(), nullptr, 4, y.data_ptr<float>() + N, N + 6}};
+          cpu::linear_gemm(x.data_ptr<float>(), M, K, K + 3, parts);
+          auto want = with_bias ? at::linear(x, w, b) : at::linear(x, w);
+          EXPECT_LE(max_rel_diff(y.narrow(1, 0, N), want), 1e-5) << "M=" << M << " K=" << K << " N=" << N;
+          EXPECT_LE(max_rel_diff(y.narrow(1, N, 4), at::linear(x, w2)), 1e-5) << "M=" << M << " K=" << K;
+          // The two columns past the parts are never written.
+          EXPECT_TRUE(y.narrow(1, N + 4, 2).isnan().all().item<bool>()) << "M=" << M << " K=" << K << " N=" << N;
+        }
+}
+
+// The LoRA deltas of three adapters on two outputs, each adapter on its own scattered rows (one
+// on every row of a second batch), ranks 1 to 16, outputs past the 256-output block, both ISAs:
+// equal to y + s * (x[rows] A^T) B^T added at the rows.
+TEST(CpuKernels, LoraDeltasEqualTheLowRankProductsAtTheirRows) {
+  at::manual_seed(4);
+  both_isas([] {
+    const std::int64_t M = 23, in = 37;
+    auto x = at::randn({M, in + 2}).narrow(1, 0, in);  // row stride in + 2
+    const std::int64_t outs[2] = {300, 5};
+    std::vector<std::vector<std::int64_t>> rows = {{0, 4, 5, 9, 10, 11, 12, 13, 14, 20, 22}, {1, 2, 21}, {3}};
+    const std::int64_t ranks[3] = {8, 1, 16};
+    const float scales[3] = {2.0f, 0.5f, 1.25f};
+    std::vector<at::Tensor> As, Bs, ys, want;
+    for (int o = 0; o < 2; ++o) {
+      ys.push_back(at::randn({M, outs[o]}));
+      want.push_back(ys.back().clone());
+    }
+    std::vector<cpu::LoraDelta> ds;
+    for (int a = 0; a < 3; ++a)
+      for (int o = 0; o < 2; ++o) {
+        As.push_back(at::randn({ranks[a], in}) * 0.25);
+        Bs.push_back(at::randn({outs[o], ranks[a]}) * 0.25);
+        auto idx = at::tensor(rows[static_cast<std::size_t>(a)], at::kLong);
+        want[static_cast<std::size_t>(o)].index_add_(
+            0, idx, at::linear(at::linear(x.index_select(0, idx), As.back()), Bs.back()) * scales[a]);
+        ds.push_back({As.back().data_ptr<float>(), Bs.back().data_ptr<float>(), ranks[a], scales[a],
+                      rows[static_cast<std::size_t>(a)].data(), static_cast<std::int64_t>(rows[static_cast<std::size_t>(a)].size()),
+                      ys[static_cast<std::size_t>(o)].data_ptr<float>(), outs[o], outs[o]});
+      }
+    cpu::lora_deltas(x.data_ptr<float>(), in + 2, in, ds);
+    for (int o = 0; o < 2; ++o) EXPECT_LE(max_rel_diff(ys[static_cast<std::size_t>(o)], want[static_cast<std::size_t>(o)]), 1e-5) << "output " << o;
+    // One adapter on every row (rows null).
+    auto y = at::randn({M, 40});
+    auto A = at::randn({4, in}), B = at::randn({40, 4});
+    auto w = y + at::linear(at::linear(x, A), B) * 3.0;
+    cpu::LoraDelta all{A.data_ptr<float>(), B.data_ptr<float>(), 4, 3.0f, nullptr, M, y.data_ptr<float>(), 40, 40};
+    cpu::lora_deltas(x.data_ptr<float>(), in + 2, in, std::span<const cpu::LoraDelta>(&all, 1));
+    EXPECT_LE(max_rel_diff(y, w), 1e-5);
   });
 }
 
@@ -111,31 +180,38 @@ TEST(CpuKernels, ElementwiseStepsSplitOverThreadsEqualTheReferences) {
   EXPECT_LE(max_rel_diff(act, at::silu(g) * u), 1e-6);
 }
 
+// Head sizes of 12 (the portable loop inside the AVX2 build), 16, 64 and 128 (the 1.5B shape:
+// two passes of 64 value dimensions), contexts from 1 to 150 keys (eight-key blocks and tails),
+// slots scattered and reversed.
 TEST(CpuKernels, DecodeAttentionReadsScatteredSlotsInPlace) {
   at::manual_seed(4);
   both_isas([] {
-    const std::int64_t nh = 6, nkv = 2, hd = 16, n_slots = 64;
-    auto kp = at::randn({n_slots, nkv, hd}), vp = at::randn({n_slots, nkv, hd});
-    std::mt19937 rng(9);
-    std::vector<std::vector<std::int64_t>> slots = {{5}, {}, {}};
-    for (int j = 0; j < 17; ++j) slots[1].push_back(static_cast<std::int64_t>(rng() % n_slots));
-    for (int j = 0; j < 40; ++j) slots[2].push_back(63 - j);
-    const std::int64_t B = 3;
-    auto q = at::randn({B, nh * hd});
-    auto out = at::full({B, nh * hd}, std::nanf(""));
-    std::vector<const std::int64_t*> ptrs;
-    std::vector<std::int64_t> lens;
-    for (auto& s : slots) {
-      ptrs.push_back(s.data());
-      lens.push_back(static_cast<std::int64_t>(s.size()));
-    }
-    cpu::decode_attention(q.data_ptr<float>(), kp.data_ptr<float>(), vp.data_ptr<float>(), nh, nkv, hd, B,
-                          nullptr, ptrs.data(), lens.data(), out.data_ptr<float>());
-    for (std::int64_t b = 0; b < B; ++b) {
-      auto idx = at::tensor(slots[static_cast<std::size_t>(b)], at::TensorOptions().dtype(at::kLong));
-      auto want = segment_attention_reference(q[b].view({1, nh, hd}), kp.index_select(0, idx),
-                                              vp.index_select(0, idx), lens[static_cast<std::size_t>(b)] - 1);
-      EXPECT_LE(max_rel_diff(out[b].view({1, -1}), want), 1e-5) << "sequence " << b;
+    for (std::int64_t hd : {12, 16, 64, 128}) {
+      const std::int64_t nh = 6, nkv = 2, n_slots = 160;
+      auto kp = at::randn({n_slots, nkv, hd}), vp = at::randn({n_slots, nkv, hd});
+      std::mt19937 rng(9);
+      std::vector<std::vector<std::int64_t>> slots = {{5}, {}, {}, {}, {}};
+      for (int j = 0; j < 17; ++j) slots[1].push_back(static_cast<std::int64_t>(rng() % n_slots));
+      for (int j = 0; j < 40; ++j) slots[2].push_back(n_slots - 1 - j);
+      for (int j = 0; j < 8; ++j) slots[3].push_back(static_cast<std::int64_t>(rng() % n_slots));
+      for (int j = 0; j < 150; ++j) slots[4].push_back(static_cast<std::int64_t>(rng() % n_slots));
+      const auto B = static_cast<std::int64_t>(slots.size());
+      auto q = at::randn({B, nh * hd});
+      auto out = at::full({B, nh * hd}, std::nanf(""));
+      std::vector<const std::int64_t*> ptrs;
+      std::vector<std::int64_t> lens;
+      for (auto& s : slots) {
+        ptrs.push_back(s.data());
+        lens.push_back(static_cast<std::int64_t>(s.size()));
+      }
+      cpu::decode_attention(q.data_ptr<float>(), kp.data_ptr<float>(), vp.data_ptr<float>(), nh, nkv, hd, B,
+                            nullptr, ptrs.data(), lens.data(), out.data_ptr<float>());
+      for (std::int64_t b = 0; b < B; ++b) {
+        auto idx = at::tensor(slots[static_cast<std::size_t>(b)], at::TensorOptions().dtype(at::kLong));
+        auto want = segment_attention_reference(q[b].view({1, nh, hd}), kp.index_select(0, idx),
+                                                vp.index_select(0, idx), lens[static_cast<std::size_t>(b)] - 1);
+        EXPECT_LE(max_rel_diff(out[b].view({1, -1}), want), 1e-5) << "hd " << hd << ", sequence " << b;
+      }
     }
   });
 }
@@ -241,6 +317,90 @@ TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
   bm.context_slots[0][2] = 1 << 20;
   EXPECT_THROW(m->forward(bad, nullptr, &cache.pool(), &bm), Error);
   set_cpu_fast_paths(prev);
+}
+
+// A decode batch of 20 sequences (past the outer-product kernel's 12 rows: the projections, the LM
+// head and the 13-row LoRA part run on it), then a mixed step of 40 tokens, with two adapters and
+// base rows: equal to the libtorch path.
+TEST(CpuDecode, ManyRowStepsOnTheGemmKernelEqualTheLibtorchPath) {
+  static_assert(cpu::kGemmMinRows <= 13);
+  const Qwen2Config c = tiny_config();
+  auto m = Qwen2Model::from_named(c, random_weights(c, 3, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto a1 = busy_adapter(c, 4, 21), a2 = busy_adapter(c, 8, 22);
+  at::NoGradGuard ng;
+  constexpr int S = 20;
+  std::vector<int> slot_of(S);
+  for (int i = 0; i < S; ++i) slot_of[static_cast<std::size_t>(i)] = i < 13 ? 0 : (i < 17 ? 1 : -1);
+  auto run = [&] {
+    ContiguousKvCache cache(c, S, 64, at::kFloat, at::kCPU);
+    std::vector<std::vector<std::int64_t>> prompts;
+    std::vector<std::int64_t> past, seqs;
+    for (int i = 0; i < S; ++i) {
+      prompts.push_back({});
+      for (int j = 0; j <= i % 5; ++j) prompts.back().push_back(1 + (i * 7 + j) % 60);
+      past.push_back(static_cast<std::int64_t>(prompts.back().size()));
+      seqs.push_back(i);
+    }
+    auto pb = make_batch(prompts, {}, at::kCPU);
+    auto pm = cache.plan(pb.segs, seqs);
+    m->forward(pb, nullptr, &cache.pool(), &pm);
+    auto lora = LoraBatch::from_row_slots({&a1, &a2}, slot_of, at::kCPU);
+    std::vector<at::Tensor> out;
+    for (int step = 0; step < 3; ++step) {
+      std::vector<std::vector<std::int64_t>> toks;
+      for (int i = 0; i < S; ++i) toks.push_back({(i + step * 3) % 60 + 1});
+      auto db = make_batch(toks, past, at::kCPU);
+      auto dm = cache.plan(db.segs, seqs, /*batched_decode=*/true);
+      out.push_back(m->logits(m->forward(db, &lora, &cache.pool(), &dm)));
+      for (auto& p : past) ++p;
+    }
+    // A mixed step: sequences 0-3 add chunks of 10 tokens (40 rows), adapter 0 on the first two.
+    std::vector<std::vector<std::int64_t>> chunks(4);
+    std::vector<int> row_slot;
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 10; ++j) {
+        chunks[static_cast<std::size_t>(i)].push_back(1 + (i * 13 + j) % 60);
+        row_slot.push_back(i < 2 ? 0 : -1);
+      }
+    auto mb = make_batch(chunks, {past[0], past[1], past[2], past[3]}, at::kCPU);
+    auto mm = cache.plan(mb.segs, {0, 1, 2, 3});
+    auto ml = LoraBatch::from_row_slots({&a1}, row_slot, at::kCPU);
+    out.push_back(m->logits(m->forward(mb, &ml, &cache.pool(), &mm)));
+    return out;
+  };
+  std::vector<at::Tensor> want, got;
+  {
+    const bool prev = set_cpu_fast_paths(false);
+    want = run();
+    set_cpu_fast_paths(prev);
+  }
+  both_isas([&] {
+    const bool prev = set_cpu_fast_paths(true);
+    got = run();
+    set_cpu_fast_paths(prev);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_LE(max_rel_diff(got[i], want[i]), 1e-5) << "step " << i;
+  });
+}
+
+// The LM head reuses its output buffer only once the caller has let go of it: a result still held
+// (or a view of it) is never overwritten by the next call.
+TEST(CpuDecode, LogitsHeldByTheCallerAreNotOverwritten) {
+  const Qwen2Config c = tiny_config();
+  auto m = Qwen2Model::from_named(c, random_weights(c, 4, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  at::NoGradGuard ng;
+  auto h1 = at::randn({16, c.hidden_size}), h2 = at::randn({16, c.hidden_size});
+  auto first = m->logits(h1);
+  const auto want1 = first.clone();
+  auto row = first[3];  // a view keeps the storage too
+  first = at::Tensor();
+  auto second = m->logits(h2);
+  EXPECT_TRUE(at::equal(row, want1[3]));
+  EXPECT_LE(max_rel_diff(second, at::linear(h2, m->lm_head_weight())), 1e-5);
+  row = at::Tensor();
+  // Released: the next call may take the buffer; its values are the new ones.
+  second = at::Tensor();
+  EXPECT_LE(max_rel_diff(m->logits(h1), want1), 0.0);
 }
 
 // A mixed step (a decode row, a prefill chunk after cached tokens, a fresh prompt) with adapters

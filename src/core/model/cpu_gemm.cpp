@@ -1,0 +1,147 @@
+// core/model/cpu_gemm.cpp: cpu::linear_gemm, the outer-product kernel behind cpu::linear for a few
+// dozen rows and more (decode at batch 16-256, the LM head of those steps).
+//
+// The weights stay in their natural layout, w [N, K] row-major, so nothing is packed at load and no
+// second copy of the model exists. The transposed problem y^T = w x^T is computed instead: a
+// register tile holds R weight rows x 16 rows of x, and each k step broadcasts R weight scalars
+// (one sequential stream per weight row) against two vectors of a packed panel of x (x^T, 16 rows
+// of x side by side, made once per call and read from cache). Every weight element is loaded once
+// per panel and used in 16 multiply-adds, so the kernel is bound by the FMA units, not by memory;
+// the packing costs M x K copies, noise beside the M x K x N multiply-adds.
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "core/model/cpu_kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LS_X86 1
+#else
+#define LS_X86 0
+#endif
+
+namespace lorasync::model::cpu {
+
+namespace {
+
+constexpr int kPanel = 16;  // rows of x per packed panel: two AVX2 vectors
+constexpr int kTileN = 6;   // weight rows per register tile: 6 x 2 accumulators + 2 x + 1 broadcast
+// Rows of x per pass over the weights: a block's panels (64 x K floats) stay in L2 while every
+// weight tile is read once from memory and then from L1/L2 for the block's other panels.
+constexpr std::int64_t kBlockRows = 64;
+
+// xp[p][k][16] = x[m0 + 16 p + j][k] for rows < rows, 0 beyond (the padding's products are
+// computed and never stored).
+void pack_panels(const float* x, std::int64_t ldx, std::int64_t rows, std::int64_t K, float* xp) {
+  const std::int64_t panels = (rows + kPanel - 1) / kPanel;
+  for (std::int64_t p = 0; p < panels; ++p) {
+    float* dst = xp + p * K * kPanel;
+    const std::int64_t r = std::min<std::int64_t>(kPanel, rows - p * kPanel);
+    for (std::int64_t j = 0; j < r; ++j) {
+      const float* src = x + (p * kPanel + j) * ldx;
+      for (std::int64_t k = 0; k < K; ++k) dst[k * kPanel + j] = src[k];
+    }
+    for (std::int64_t j = r; j < kPanel; ++j)
+      for (std::int64_t k = 0; k < K; ++k) dst[k * kPanel + j] = 0.0f;
+  }
+}
+
+#if LS_X86
+// out[i][j] = w[i] . x_j for R weight rows (row stride K) and the 16 rows j of one packed panel.
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* xp, const float* w, std::int64_t K,
+                                                   float* out) {
+  __m256 a0[R], a1[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+  for (std::int64_t k = 0; k < K; ++k) {
+    const __m256 x0 = _mm256_loadu_ps(xp + k * kPanel), x1 = _mm256_loadu_ps(xp + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 b = _mm256_broadcast_ss(w + i * K + k);
+      a0[i] = _mm256_fmadd_ps(b, x0, a0[i]);
+      a1[i] = _mm256_fmadd_ps(b, x1, a1[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(out + i * kPanel, a0[i]);
+    _mm256_storeu_ps(out + i * kPanel + 8, a1[i]);
+  }
+}
+
+using TileFn = void (*)(const float*, const float*, std::int64_t, float*);
+constexpr TileFn kTiles[kTileN + 1] = {nullptr,         tile_avx2<1>, tile_avx2<2>, tile_avx2<3>,
+                                       tile_avx2<4>,    tile_avx2<5>, tile_avx2<6>};
+
+// Weight rows [n0, n1) of one part against the block's packed rows [m0, m0 + rows).
+void rows_block(const float* xp, std::int64_t rows, std::int64_t m0, std::int64_t K, const LinearOut& p,
+                std::int64_t n0, std::int64_t n1) {
+  alignas(32) float out[kTileN * kPanel];
+  const std::int64_t panels = (rows + kPanel - 1) / kPanel;
+  for (std::int64_t n = n0; n < n1; n += kTileN) {
+    const int R = static_cast<int>(std::min<std::int64_t>(kTileN, n1 - n));
+    float bias[kTileN] = {};
+    if (p.bias != nullptr)
+      for (int i = 0; i < R; ++i) bias[i] = p.bias[n + i];
+    for (std::int64_t pi = 0; pi < panels; ++pi) {
+      kTiles[R](xp + pi * K * kPanel, p.w + n * K, K, out);
+      const std::int64_t r = std::min<std::int64_t>(kPanel, rows - pi * kPanel);
+      for (std::int64_t j = 0; j < r; ++j) {
+        float* y = p.y + (m0 + pi * kPanel + j) * p.ldy + n;
+        for (int i = 0; i < R; ++i) y[i] = out[i * kPanel + j] + bias[i];
+      }
+    }
+  }
+}
+#endif
+
+struct Chunk {
+  std::size_t part;
+  std::int64_t n0, n1;
+};
+
+}  // namespace
+
+bool linear_gemm_available() {
+#if LS_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
+                 std::span<const LinearOut> parts) {
+#if LS_X86
+  if (M <= 0) return;
+  if (!linear_gemm_available() || K <= 0) return linear_rows(x, M, K, ldx, parts);
+  // Chunks of whole tiles, >= 64 KiB of weights each, so the threads balance and a chunk's
+  // start-up is noise.
+  const std::int64_t per = std::max<std::int64_t>(kTileN, (16384 / K + kTileN - 1) / kTileN * kTileN);
+  std::vector<Chunk> chunks;
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    for (std::int64_t n = 0; n < parts[i].n_out; n += per)
+      chunks.push_back({i, n, std::min(parts[i].n_out, n + per)});
+  // The packed panels of one block, reused by every call on this thread.
+  thread_local std::vector<float> xp;
+  for (std::int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
+    const std::int64_t rows = std::min(kBlockRows, M - m0);
+    const std::int64_t panels = (rows + kPanel - 1) / kPanel;
+    xp.resize(static_cast<std::size_t>(panels * K * kPanel));
+    pack_panels(x + m0 * ldx, ldx, rows, K, xp.data());
+    const float* packed = xp.data();
+    parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t c = b; c < e; ++c) {
+        const Chunk& ch = chunks[static_cast<std::size_t>(c)];
+        rows_block(packed, rows, m0, K, parts[ch.part], ch.n0, ch.n1);
+      }
+    });
+  }
+#else
+  linear_rows(x, M, K, ldx, parts);
+#endif
+}
+
+}  // namespace lorasync::model::cpu
