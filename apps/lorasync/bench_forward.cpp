@@ -1,7 +1,8 @@
 // `lorasync bench forward`: prefill and decode throughput of a model configuration with random
 // weights (no disk), and utilisation against the GEMM peak measured in the same run.
-//  - prefill: `prefill_batch` prompts of `prompt_tokens` tokens in one flat batch, LM head on the
-//    last token of each (as a server does);
+//  - prefill: `prefill_batch` prompts of `prompt_tokens` tokens in one flat batch written to a KV
+//    cache, LM head on the last token of each (as a server does); on CPU ours against the libtorch
+//    path like decode;
 //  - decode: batch b sequences with `context` cached tokens, `decode_steps` steps of one token each
 //    through the batched decode path, LM head included; on CPU our decode kernels against the
 //    libtorch path of the same maths (model::set_cpu_fast_paths) in the same run;
@@ -58,6 +59,18 @@ double seconds_of(const std::function<void()>& f, c10::Device device, int repeat
   return best;
 }
 
+// --paths, the reference first (it is the baseline of the fast path's figures).
+std::vector<std::string> parse_paths(const std::string& list) {
+  std::vector<std::string> paths;
+  for (const auto& p : split(list, ',')) {
+    const std::string path(trim(p));
+    if (path != "fast" && path != "reference") throw_invalid("--paths: unknown path '{}' (fast, reference)", path);
+    paths.push_back(path);
+  }
+  std::stable_sort(paths.begin(), paths.end(), [](const auto& x, const auto& y) { return x == "reference" && y != "reference"; });
+  return paths;
+}
+
 int run(const BenchForwardOptions& o) {
   model::set_compute_threads(o.threads);
   auto device = model::parse_device(o.device);
@@ -87,15 +100,35 @@ int run(const BenchForwardOptions& o) {
     std::vector<std::int64_t> last_rows;
     for (std::int64_t i = 0; i < o.prefill_batch; ++i) last_rows.push_back((i + 1) * o.prompt_tokens - 1);
     auto rows = at::tensor(last_rows, at::TensorOptions().dtype(at::kLong)).to(device);
-    double s = seconds_of([&] { (void)m->logits(m->forward(batch).index_select(0, rows)); }, device, o.repeats);
+    // The prompts' keys and values are written to a KV cache, as a server's prefill does (on CPU
+    // that is the fast path's: our kernels for the projections, libtorch's attention).
+    model::ContiguousKvCache pcache(cfg, o.prefill_batch, o.prompt_tokens, dtype, device);
+    std::vector<std::int64_t> pids;
+    for (std::int64_t i = 0; i < o.prefill_batch; ++i) pids.push_back(i);
+    auto pmeta = pcache.plan(batch.segs, pids);
+    const std::vector<std::string> paths = parse_paths(o.paths);
     const double n_tok = static_cast<double>(o.prefill_batch * o.prompt_tokens);
     double flops = model::forward_flops(cfg, n_tok, static_cast<double>(o.prompt_tokens) / 2,
                                         static_cast<double>(o.prefill_batch));
-    auto c = cfg_json;
-    c["batch"] = o.prefill_batch;
-    c["prompt_tokens"] = o.prompt_tokens;
-    rep.emit({"forward", "prefill_tokens_per_s", n_tok / s, "tokens/s", std::nullopt, c});
-    rep.emit({"forward", "prefill_gflops", flops / s / 1e9, "GFLOP/s", peak, c});
+    std::optional<double> ref_prefill;
+    for (const auto& path : paths) {
+      const bool prev = model::set_cpu_fast_paths(path == "fast");
+      double s = seconds_of(
+          [&] { (void)m->logits(m->forward(batch, nullptr, &pcache.pool(), &pmeta).index_select(0, rows)); }, device,
+          o.repeats);
+      model::set_cpu_fast_paths(prev);
+      auto c = cfg_json;
+      c["batch"] = o.prefill_batch;
+      c["prompt_tokens"] = o.prompt_tokens;
+      c["path"] = path;
+      if (path == "reference") {
+        ref_prefill = n_tok / s;
+        rep.emit({"forward", "prefill_tokens_per_s_reference", n_tok / s, "tokens/s", std::nullopt, c});
+        continue;
+      }
+      rep.emit({"forward", "prefill_tokens_per_s", n_tok / s, "tokens/s", ref_prefill, c});
+      rep.emit({"forward", "prefill_gflops", flops / s / 1e9, "GFLOP/s", peak, c});
+    }
 
     // Decode at several batch sizes.
     for (auto b : parse_int_list(o.decode_batches, "--decode-batches")) {
@@ -146,13 +179,6 @@ int run(const BenchForwardOptions& o) {
       std::vector<engine::SampleRow> srows;
       for (auto& g : rngs) srows.push_back({&sp, &g, nullptr});
       auto sample_once = [&] { (void)engine::sample_batch(logits, srows); };
-      std::vector<std::string> paths;
-      for (const auto& p : split(o.paths, ',')) {
-        const std::string path(trim(p));
-        if (path != "fast" && path != "reference") throw_invalid("--paths: unknown path '{}' (fast, reference)", path);
-        paths.push_back(path);
-      }
-      std::stable_sort(paths.begin(), paths.end(), [](const auto& x, const auto& y) { return x == "reference" && y != "reference"; });
       for (const auto& path : paths) {
         const bool fast = path == "fast";
         const bool prev = model::set_cpu_fast_paths(fast);

@@ -53,6 +53,8 @@ struct BenchServeOptions {
   int threads = 0;
   bool cpu_fast_paths = true;  // off: the libtorch decode path and sampler (an A/B of two runs)
   int adapter_rounds = 3;       // alternating base / five-adapter runs, best of each
+  std::string url;              // another server (http://127.0.0.1:PORT): the concurrency phase only
+  std::string served_model = "base";  // the model name sent with --url
 };
 
 struct StreamResult {
@@ -105,6 +107,12 @@ StreamResult stream_completion(std::uint16_t port, const json& body) {
     }
   }
   ::close(fd);
+  // With usage in the stream (stream_options.include_usage), the server's own count of generated
+  // tokens replaces the count of events: a final usage-only event is not a token.
+  if (auto u = buf.rfind("\"completion_tokens\":"); u != std::string::npos) {
+    const auto n = std::atol(buf.c_str() + u + 19);
+    if (n > 0) r.tokens = static_cast<int>(n);
+  }
   return r;
 }
 
@@ -177,7 +185,53 @@ std::vector<int> random_prompt(std::mt19937& rng, std::int64_t n, int vocab = 15
   return p;
 }
 
+// Streamed completions of `make`'s bodies at each --concurrency: tokens/s (against 1 stream),
+// TTFT and inter-token p50/p99, `tag` added to every configuration.
+void concurrency_phase(std::uint16_t port, const BenchServeOptions& o, BenchReporter& rep,
+                       const std::function<json(int, std::int64_t)>& make, const json& tag) {
+  double base1 = 0;
+  for (auto c : parse_int_list(o.concurrency, "--concurrency")) {
+    auto lr = run_load(port, static_cast<int>(c), o.requests_per_client, make);
+    if (c == 1) base1 = lr.tokens_per_s;
+    json cj = {{"concurrency", c}, {"max_tokens", o.max_tokens}, {"prompt_tokens", o.prompt_tokens}, {"failed", lr.failed}};
+    cj.update(tag);
+    rep.emit({"serve", "generated_tokens_per_s", lr.tokens_per_s, "tokens/s", base1 > 0 ? std::optional<double>(base1) : std::nullopt, cj});
+    rep.emit({"serve", "ttft_p50_ms", percentile(lr.ttft, 50) * 1e3, "ms", std::nullopt, cj});
+    rep.emit({"serve", "ttft_p99_ms", percentile(lr.ttft, 99) * 1e3, "ms", std::nullopt, cj});
+    rep.emit({"serve", "itl_p50_ms", percentile(lr.gaps, 50) * 1e3, "ms", std::nullopt, cj});
+    rep.emit({"serve", "itl_p99_ms", percentile(lr.gaps, 99) * 1e3, "ms", std::nullopt, cj});
+  }
+}
+
+// The same random prompts and sampling for every server: `model` named in the body.
+std::function<json(int, std::int64_t)> plain_body(const BenchServeOptions& o, const std::string& model) {
+  return [&o, model](int c, std::int64_t k) {
+    std::mt19937 r(static_cast<unsigned>(c * 1000 + k));
+    return json{{"model", model},       {"prompt", random_prompt(r, o.prompt_tokens)},
+                {"max_tokens", o.max_tokens}, {"temperature", 1.0},
+                {"ignore_eos", true},   {"stream", true},
+                {"stream_options", {{"include_usage", true}}}, {"seed", c * 1000 + k}};
+  };
+}
+
+// --url: the concurrency phase against another OpenAI-compatible server on loopback (lorasync
+// serve in its own process, llama.cpp's llama-server), so both are measured the same way.
+int run_url(const BenchServeOptions& o) {
+  const std::string pre = "http://127.0.0.1:";
+  if (o.url.rfind(pre, 0) != 0) throw_invalid("--url: only http://127.0.0.1:PORT is supported, got '{}'", o.url);
+  const std::string port_text = o.url.substr(pre.size());
+  const auto ports = parse_int_list(port_text.substr(0, port_text.find('/')), "--url port");
+  if (ports.size() != 1 || ports[0] <= 0 || ports[0] > 65535) throw_invalid("--url: bad port in '{}'", o.url);
+  const auto port = ports[0];
+  BenchReporter rep;
+  concurrency_phase(static_cast<std::uint16_t>(port), o, rep, plain_body(o, o.served_model),
+                    json{{"target", o.url}, {"model", o.served_model}});
+  rep.print_table();
+  return 0;
+}
+
 int run(const BenchServeOptions& o) {
+  if (!o.url.empty()) return run_url(o);
   model::set_cpu_fast_paths(o.cpu_fast_paths);
   TempDir tmp("lorasync-bench-serve");
   std::string model_dir = o.model;
@@ -232,25 +286,9 @@ int run(const BenchServeOptions& o) {
 
   BenchReporter rep;
   std::mt19937 rng(1);
-  auto plain = [&](const std::string& model) {
-    return [&, model](int c, std::int64_t k) {
-      std::mt19937 r(static_cast<unsigned>(c * 1000 + k));
-      return json{{"model", model}, {"prompt", random_prompt(r, o.prompt_tokens)}, {"max_tokens", o.max_tokens},
-                  {"temperature", 1.0}, {"ignore_eos", true}, {"stream", true}, {"seed", c * 1000 + k}};
-    };
-  };
+  auto plain = [&](const std::string& model) { return plain_body(o, model); };
   // 1. Throughput and latency by concurrency (base model).
-  double base1 = 0;
-  for (auto c : parse_int_list(o.concurrency, "--concurrency")) {
-    auto lr = run_load(port, static_cast<int>(c), o.requests_per_client, plain("base"));
-    if (c == 1) base1 = lr.tokens_per_s;
-    json cj = {{"concurrency", c}, {"max_tokens", o.max_tokens}, {"prompt_tokens", o.prompt_tokens}, {"failed", lr.failed}};
-    rep.emit({"serve", "generated_tokens_per_s", lr.tokens_per_s, "tokens/s", base1 > 0 ? std::optional<double>(base1) : std::nullopt, cj});
-    rep.emit({"serve", "ttft_p50_ms", percentile(lr.ttft, 50) * 1e3, "ms", std::nullopt, cj});
-    rep.emit({"serve", "ttft_p99_ms", percentile(lr.ttft, 99) * 1e3, "ms", std::nullopt, cj});
-    rep.emit({"serve", "itl_p50_ms", percentile(lr.gaps, 50) * 1e3, "ms", std::nullopt, cj});
-    rep.emit({"serve", "itl_p99_ms", percentile(lr.gaps, 99) * 1e3, "ms", std::nullopt, cj});
-  }
+  concurrency_phase(port, o, rep, plain("base"), json::object());
   // 2. GRPO trace: a shared template + a problem per prompt, G rollouts each.
   std::vector<int> tmpl = random_prompt(rng, 48);
   auto grpo = [&](bool n_group, const std::string& tag) {
@@ -322,6 +360,9 @@ void register_bench_serve(CLI::App& bench, Registry& reg) {
   sub->add_option("--group", o->group, "rollouts per prompt (G)")->capture_default_str();
   sub->add_option("--kv-cache-memory", o->kv_cache_memory, "KV pool of the server")->capture_default_str();
   sub->add_option("--threads", o->threads, "compute threads (0 = all cores)")->capture_default_str();
+  sub->add_option("--url", o->url,
+                  "measure another OpenAI-compatible server (http://127.0.0.1:PORT): the concurrency phase only");
+  sub->add_option("--served-model", o->served_model, "the model name sent with --url")->capture_default_str();
   sub->add_option("--adapter-rounds", o->adapter_rounds, "alternating base-only / five-adapter runs (best of each)")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();

@@ -253,6 +253,25 @@ __attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// y[j] += t . b_j for j < n, the rows b_j of B [*, r] (r a multiple of 8) read in place: eight
+// outputs at a time, one accumulator each, reduced together. No transposed copy of B, which at a
+// few rows per adapter cost more than the products.
+__attribute__((target("avx2,fma"))) void rank_update_rows_avx2(const float* t, const float* b, std::int64_t r,
+                                                               std::int64_t n, float* y) {
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (std::int64_t k = 0; k < r; k += 8) {
+      const __m256 tv = _mm256_loadu_ps(t + k);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(tv, _mm256_loadu_ps(b + (j + u) * r + k), acc[u]);
+    }
+    _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), hsum8(acc)));
+  }
+  for (; j < n; ++j) y[j] += dot_avx2(t, b + j * r, r);
+}
+
 // s[j] = scale * (q . k_j) for the L keys at kp[j] (hd a multiple of 8): eight keys at a time, one
 // accumulator each, reduced together.
 __attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* const* kp, std::int64_t L,
@@ -425,6 +444,34 @@ void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<co
   thread_local std::vector<float> t_buf;
   t_buf.resize(static_cast<std::size_t>(t_off.back()));
   float* t = t_buf.data();
+  // An adapter with many rows (a prefill chunk): its rows gathered once and all its A products in
+  // one linear() on the outer-product kernel; the small ones below, as (delta, rows) tasks.
+  std::vector<bool> done(deltas.size(), false);
+  thread_local std::vector<float> gathered;
+  for (std::size_t d = 0; d < deltas.size(); ++d) {
+    if (done[d] || deltas[d].n_rows < kGemmMinRows) continue;
+    const LoraDelta& lead = deltas[d];
+    const float* xs = x;
+    std::int64_t ldxs = ldx;
+    if (lead.rows != nullptr) {
+      gathered.resize(static_cast<std::size_t>(lead.n_rows * in));
+      for (std::int64_t i = 0; i < lead.n_rows; ++i) std::copy_n(x + lead.rows[i] * ldx, in, gathered.data() + i * in);
+      xs = gathered.data();
+      ldxs = in;
+    }
+    std::vector<LinearOut> parts;
+    std::vector<std::size_t> members;
+    for (std::size_t e = d; e < deltas.size(); ++e)
+      if (!done[e] && deltas[e].rows == lead.rows && deltas[e].n_rows == lead.n_rows) {
+        parts.push_back({deltas[e].A, nullptr, deltas[e].r, t + t_off[e], deltas[e].r});
+        members.push_back(e);
+        done[e] = true;
+      }
+    linear(xs, lead.n_rows, in, ldxs, parts);
+    for (std::size_t e : members)
+      for (std::int64_t i = t_off[e]; i < t_off[e + 1]; ++i) t[i] *= deltas[e].scale;
+  }
+  std::erase_if(a_tasks, [&](const Chunk& c) { return done[c.part]; });
   parallel_for(static_cast<std::int64_t>(a_tasks.size()), [&](std::int64_t b, std::int64_t e) {
     thread_local std::vector<float> xs;
     xs.resize(static_cast<std::size_t>(kRowBlock * in));
@@ -447,6 +494,16 @@ void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<co
       const Chunk& task = b_tasks[static_cast<std::size_t>(c)];
       const LoraDelta& dl = deltas[task.part];
       const std::int64_t n = task.n1 - task.n0;
+#if LS_X86
+      if (avx && dl.r % 8 == 0) {  // B read in place
+        for (std::int64_t i = 0; i < dl.n_rows; ++i) {
+          const std::int64_t row = dl.rows ? dl.rows[i] : i;
+          rank_update_rows_avx2(t + t_off[task.part] + i * dl.r, dl.B + task.n0 * dl.r, dl.r, n,
+                                dl.y + row * dl.ldy + task.n0);
+        }
+        continue;
+      }
+#endif
       // This block of B transposed: bt[k][j] = B[n0 + j][k].
       bt.resize(static_cast<std::size_t>(dl.r * n));
       for (std::int64_t j = 0; j < n; ++j)
