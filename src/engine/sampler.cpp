@@ -20,7 +20,7 @@ at::Tensor apply_penalty(at::Tensor row, const SampleRow& r) {
   std::unordered_set<std::int32_t> seen(r.history->begin(), r.history->end());
   std::vector<std::int64_t> ids(seen.begin(), seen.end());
   std::sort(ids.begin(), ids.end());
-  auto idx = at::tensor(ids, at::TensorOptions().dtype(at::kLong));
+  auto idx = at::tensor(ids, at::TensorOptions().dtype(at::kLong)).to(row.device());
   auto vals = row.index_select(0, idx);
   vals = at::where(vals > 0, vals / pen, vals * pen);
   row = row.clone();
@@ -155,10 +155,91 @@ void sample_fast(const float* x, std::int64_t V, const SampleRow& r, TokenOut& t
     for (const auto& [id, v] : top_of(x, V, *p.logprobs)) t.top.emplace_back(id, logp(id));
 }
 
+// The row's uniform in [0, 1): 53 bits of its generator, as draw() takes it.
+double uniform(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0); }
+
 }  // namespace
 
+std::vector<TokenOut> sample_batch_tensor_ops(const at::Tensor& logits_in, const std::vector<SampleRow>& rows) {
+  auto logits = logits_in.to(at::kFloat);
+  const auto B = logits.size(0), V = logits.size(1);
+  const auto dev = logits.device();
+  std::vector<TokenOut> out(static_cast<std::size_t>(B));
+  if (B == 0) return out;
+  // Per row: its temperature (1 for greedy) and its uniform, taken from its generator exactly when
+  // the host path takes one (sampled rows only), so a seeded request draws the same.
+  std::vector<float> temps(static_cast<std::size_t>(B));
+  std::vector<double> us(static_cast<std::size_t>(B), 0.0);
+  std::vector<std::uint8_t> greedy(static_cast<std::size_t>(B));
+  int top_k = 0;
+  for (std::int64_t i = 0; i < B; ++i) {
+    const SamplingParams& p = *rows[static_cast<std::size_t>(i)].params;
+    greedy[static_cast<std::size_t>(i)] = p.temperature <= 0;
+    temps[static_cast<std::size_t>(i)] = p.temperature <= 0 ? 1.0f : static_cast<float>(p.temperature);
+    if (p.logprobs) top_k = std::max(top_k, *p.logprobs);
+  }
+  // Processed logprobs [B, V]: one batched log-softmax of x / T, then the rows with a penalty or a
+  // truncation recomputed by the row expression.
+  auto t = at::tensor(temps, at::TensorOptions().dtype(at::kFloat)).to(dev).unsqueeze(1);
+  auto logp = at::log_softmax(logits / t, 1);
+  for (std::int64_t i = 0; i < B; ++i) {
+    const SampleRow& r = rows[static_cast<std::size_t>(i)];
+    const SamplingParams& p = *r.params;
+    const bool penalised = p.repetition_penalty != 1.0 && r.history != nullptr && !r.history->empty();
+    const bool truncated = p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0);
+    if (!penalised && !truncated) continue;
+    auto row = apply_penalty(logits[i], r);
+    logp[i].copy_(p.temperature <= 0 ? at::log_softmax(row, 0) : processed_logprobs(row, p));
+  }
+  for (std::int64_t i = 0; i < B; ++i)
+    if (!greedy[static_cast<std::size_t>(i)]) us[static_cast<std::size_t>(i)] = uniform(*rows[static_cast<std::size_t>(i)].rng);
+  // Greedy: the arg max (log-softmax keeps the order). Sampled: the inverse-CDF draw over block sums
+  // in double, as on the host: the block whose running sum first exceeds u * total, then the
+  // position in it.
+  auto ids = logp.argmax(1);
+  auto probs = logp.exp();
+  const std::int64_t nb = (V + kBlock - 1) / kBlock;
+  auto padded = at::constant_pad_nd(probs, {0, nb * kBlock - V}, 0).view({B, nb, kBlock});
+  auto csum = padded.sum(-1, /*keepdim=*/false, at::kDouble).cumsum(1);  // [B, nb]
+  auto u = at::tensor(us, at::TensorOptions().dtype(at::kDouble)).to(dev);
+  auto target = (u * csum.select(1, nb - 1)).unsqueeze(1);  // [B, 1]
+  auto blk = at::searchsorted(csum, target, /*out_int32=*/false, /*right=*/true).clamp_max(nb - 1);  // [B, 1]
+  auto before = at::where(blk > 0, csum.gather(1, (blk - 1).clamp_min(0)), at::zeros_like(target));
+  auto within = padded.gather(1, blk.unsqueeze(2).expand({B, 1, kBlock})).squeeze(1).to(at::kDouble).cumsum(1) + before;
+  auto pos = at::searchsorted(within, target, /*out_int32=*/false, /*right=*/true);  // [B, 1]
+  auto drawn = (blk * kBlock + pos).squeeze(1);
+  // Rounding pushed the target past the row's mass: its last possible token, as on the host.
+  auto last = (V - 1) - (probs.flip(1) > 0).to(at::kByte).argmax(1);
+  drawn = at::where((pos.squeeze(1) >= kBlock) | (drawn >= V), last, drawn);
+  auto g = at::tensor(greedy, at::TensorOptions().dtype(at::kByte)).to(at::kBool).to(dev);
+  ids = at::where(g, ids, drawn);
+  auto lp = logp.gather(1, ids.unsqueeze(1)).squeeze(1);
+  // Only these come back to the host: ids, their logprobs, and the top logprobs asked for.
+  auto ids_h = ids.to(at::kCPU).contiguous();
+  auto lp_h = lp.to(at::kCPU).contiguous();
+  at::Tensor top_v, top_i;
+  if (top_k > 0) {
+    auto [v, ix] = at::topk(logp, std::min<std::int64_t>(top_k, V), 1);
+    top_v = v.to(at::kCPU).contiguous();
+    top_i = ix.to(at::kCPU).contiguous();
+  }
+  for (std::int64_t i = 0; i < B; ++i) {
+    TokenOut& o = out[static_cast<std::size_t>(i)];
+    o.id = static_cast<std::int32_t>(ids_h.data_ptr<std::int64_t>()[i]);
+    o.logprob = lp_h.data_ptr<float>()[i];
+    const auto& lk = rows[static_cast<std::size_t>(i)].params->logprobs;
+    if (lk && *lk > 0)
+      for (std::int64_t k = 0; k < std::min<std::int64_t>(*lk, V); ++k)
+        o.top.emplace_back(static_cast<std::int32_t>(top_i.data_ptr<std::int64_t>()[i * top_i.size(1) + k]),
+                           top_v.data_ptr<float>()[i * top_v.size(1) + k]);
+  }
+  return out;
+}
+
 std::vector<TokenOut> sample_batch(const at::Tensor& logits_in, const std::vector<SampleRow>& rows) {
-  auto logits = logits_in.to(at::kCPU).to(at::kFloat).contiguous();
+  // Logits on a GPU are sampled where they are: no copy of [B, V] to the host.
+  if (!logits_in.device().is_cpu()) return sample_batch_tensor_ops(logits_in, rows);
+  auto logits = logits_in.to(at::kFloat).contiguous();
   const auto B = logits.size(0), V = logits.size(1);
   std::vector<TokenOut> out(static_cast<std::size_t>(B));
   const bool fast = model::cpu_fast_paths();

@@ -14,12 +14,7 @@
 
 #include "core/model/cpu_kernels.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define LS_X86 1
-#else
-#define LS_X86 0
-#endif
+#include "core/model/cpu_isa.h"
 
 namespace lorasync::model::cpu {
 

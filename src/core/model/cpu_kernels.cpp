@@ -8,12 +8,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define LS_X86 1
-#else
-#define LS_X86 0
-#endif
+#include "core/model/cpu_isa.h"
 
 namespace lorasync::model::cpu {
 
@@ -253,41 +248,40 @@ __attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// y[j] += t . b_j for j < n, the rows b_j of B [*, r] (r a multiple of 8) read in place: eight
-// outputs at a time, one accumulator each, reduced together. No transposed copy of B, which at a
-// few rows per adapter cost more than the products.
+// The eight dot products a . rows[u] of length n (a multiple of 8), lane u holding rows[u]'s:
+// one accumulator per row, reduced together.
+__attribute__((target("avx2,fma"))) inline __m256 dots8_avx2(const float* a, const float* const* rows,
+                                                             std::int64_t n) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (std::int64_t d = 0; d < n; d += 8) {
+    const __m256 av = _mm256_loadu_ps(a + d);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(av, _mm256_loadu_ps(rows[u] + d), acc[u]);
+  }
+  return hsum8(acc);
+}
+
+// y[j] += t . b_j for j < n, the rows b_j of B [*, r] (r a multiple of 8) read in place, eight
+// outputs at a time. No transposed copy of B, which at a few rows per adapter cost more than the
+// products.
 __attribute__((target("avx2,fma"))) void rank_update_rows_avx2(const float* t, const float* b, std::int64_t r,
                                                                std::int64_t n, float* y) {
   std::int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (std::int64_t k = 0; k < r; k += 8) {
-      const __m256 tv = _mm256_loadu_ps(t + k);
-#pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(tv, _mm256_loadu_ps(b + (j + u) * r + k), acc[u]);
-    }
-    _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), hsum8(acc)));
+    const float* rows[8];
+    for (int u = 0; u < 8; ++u) rows[u] = b + (j + u) * r;
+    _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), dots8_avx2(t, rows, r)));
   }
   for (; j < n; ++j) y[j] += dot_avx2(t, b + j * r, r);
 }
 
-// s[j] = scale * (q . k_j) for the L keys at kp[j] (hd a multiple of 8): eight keys at a time, one
-// accumulator each, reduced together.
+// s[j] = scale * (q . k_j) for the L keys at kp[j] (hd a multiple of 8), eight keys at a time.
 __attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* const* kp, std::int64_t L,
                                                      std::int64_t hd, float scale, float* s) {
   const __m256 sc = _mm256_set1_ps(scale);
   std::int64_t j = 0;
-  for (; j + 8 <= L; j += 8) {
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (std::int64_t d = 0; d < hd; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-#pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j + u] + d), acc[u]);
-    }
-    _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(acc), sc));
-  }
+  for (; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(dots8_avx2(q, kp + j, hd), sc));
   for (; j < L; ++j) s[j] = dot_avx2(q, kp[j], hd) * scale;
 }
 

@@ -60,6 +60,60 @@ TEST(Sampler, FastRowsEqualTheLibtorchExpression) {
   EXPECT_NEAR(hits / 200.0, p42, 0.12);
 }
 
+// The tensor-op sampler (the one logits on a GPU take) run on CPU tensors against the host path:
+// greedy, plain and truncated temperature rows, a repetition penalty, top logprobs; the same tokens
+// for the same generators, and draws that follow the distribution.
+TEST(Sampler, TensorOpsEqualTheHostPath) {
+  at::manual_seed(3);
+  const std::int64_t B = 60, V = 5003;
+  auto logits = at::randn({B, V}) * 4.0;
+  std::vector<SamplingParams> params(static_cast<std::size_t>(B));
+  std::vector<std::int32_t> history = {3, 17, 17, 256, 4999};
+  for (std::int64_t i = 0; i < B; ++i) {
+    auto& p = params[static_cast<std::size_t>(i)];
+    p.temperature = i % 4 == 0 ? 0.0 : (i % 4 == 1 ? 1.0 : 0.6);
+    p.logprobs = i % 3 == 0 ? 5 : 0;
+    if (i % 10 == 3) p.top_p = 0.9;
+    if (i % 10 == 5) p.top_k = 50;
+    if (i % 10 == 7) p.min_p = 0.05;
+    if (i % 6 == 1) p.repetition_penalty = 1.3;
+  }
+  auto run = [&](bool tensor_ops, std::uint64_t seed) {
+    std::vector<std::mt19937_64> rngs;
+    for (std::int64_t i = 0; i < B; ++i) rngs.emplace_back(seed + static_cast<std::uint64_t>(i));
+    std::vector<SampleRow> rows;
+    for (std::int64_t i = 0; i < B; ++i)
+      rows.push_back({&params[static_cast<std::size_t>(i)], &rngs[static_cast<std::size_t>(i)], &history});
+    return tensor_ops ? sample_batch_tensor_ops(logits, rows) : sample_batch(logits, rows);
+  };
+  for (std::uint64_t seed : {100u, 200u}) {
+    auto host = run(false, seed), ops = run(true, seed);
+    for (std::size_t i = 0; i < host.size(); ++i) {
+      EXPECT_EQ(ops[i].id, host[i].id) << "row " << i << " seed " << seed;
+      EXPECT_NEAR(ops[i].logprob, host[i].logprob, 1e-4) << "row " << i;
+      ASSERT_EQ(ops[i].top.size(), host[i].top.size()) << "row " << i;
+      for (std::size_t k = 0; k < ops[i].top.size(); ++k) {
+        EXPECT_EQ(ops[i].top[k].first, host[i].top[k].first) << "row " << i << " top " << k;
+        if (std::isinf(host[i].top[k].second))
+          EXPECT_EQ(ops[i].top[k].second, host[i].top[k].second) << "row " << i << " top " << k;
+        else
+          EXPECT_NEAR(ops[i].top[k].second, host[i].top[k].second, 1e-4) << "row " << i << " top " << k;
+      }
+    }
+  }
+  auto peaked = at::zeros({1, V});
+  peaked[0][42] = 8.0;
+  std::vector<SamplingParams> one(1);
+  int hits = 0;
+  for (std::uint64_t s = 0; s < 200; ++s) {
+    std::mt19937_64 g(s);
+    std::vector<SampleRow> r = {{&one[0], &g, nullptr}};
+    hits += sample_batch_tensor_ops(peaked, r)[0].id == 42;
+  }
+  const double p42 = std::exp(8.0) / (std::exp(8.0) + static_cast<double>(V - 1));
+  EXPECT_NEAR(hits / 200.0, p42, 0.12);
+}
+
 TEST(Sampler, ARowDoesNotDependOnItsBatch) {
   at::manual_seed(2);
   auto logits = at::randn({9, 2000}) * 3.0;
