@@ -26,19 +26,17 @@ constexpr int kTileN = 6;   // weight rows per register tile: 6 x 2 accumulators
 // weight tile is read once from memory and then from L1/L2 for the block's other panels.
 constexpr std::int64_t kBlockRows = 64;
 
-// xp[p][k][16] = x[m0 + 16 p + j][k] for rows < rows, 0 beyond (the padding's products are
-// computed and never stored).
-void pack_panels(const float* x, std::int64_t ldx, std::int64_t rows, std::int64_t K, float* xp) {
-  const std::int64_t panels = (rows + kPanel - 1) / kPanel;
-  for (std::int64_t p = 0; p < panels; ++p) {
-    float* dst = xp + p * K * kPanel;
-    const std::int64_t r = std::min<std::int64_t>(kPanel, rows - p * kPanel);
-    for (std::int64_t j = 0; j < r; ++j) {
-      const float* src = x + (p * kPanel + j) * ldx;
-      for (std::int64_t k = 0; k < K; ++k) dst[k * kPanel + j] = src[k];
-    }
-    for (std::int64_t j = r; j < kPanel; ++j)
-      for (std::int64_t k = 0; k < K; ++k) dst[k * kPanel + j] = 0.0f;
+// Panel p of x: xp[k][16] = x[16 p + j][k] for rows 16 p + j < M, 0 beyond (the padding's products
+// are computed and never stored). Written in order, read from 16 rows at once (16 streams).
+void pack_panel(const float* x, std::int64_t ldx, std::int64_t M, std::int64_t K, std::int64_t p, float* xp) {
+  const std::int64_t r = std::min<std::int64_t>(kPanel, M - p * kPanel);
+  const float* src[kPanel];
+  for (std::int64_t j = 0; j < r; ++j) src[j] = x + (p * kPanel + j) * ldx;
+  for (std::int64_t k = 0; k < K; ++k) {
+    float* dst = xp + k * kPanel;
+    std::int64_t j = 0;
+    for (; j < r; ++j) dst[j] = src[j][k];
+    for (; j < kPanel; ++j) dst[j] = 0.0f;
   }
 }
 
@@ -119,21 +117,26 @@ void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ld
   for (std::size_t i = 0; i < parts.size(); ++i)
     for (std::int64_t n = 0; n < parts[i].n_out; n += per)
       chunks.push_back({i, n, std::min(parts[i].n_out, n + per)});
-  // The packed panels of one block, reused by every call on this thread.
+  // Every panel of x packed first (in parallel), into a buffer this thread reuses; then one region
+  // over (block of 64 rows, chunk of weight rows) tasks, block-major: at decode sizes (one block)
+  // the threads split the weights, at prefill sizes mostly the blocks.
   thread_local std::vector<float> xp;
-  for (std::int64_t m0 = 0; m0 < M; m0 += kBlockRows) {
-    const std::int64_t rows = std::min(kBlockRows, M - m0);
-    const std::int64_t panels = (rows + kPanel - 1) / kPanel;
-    xp.resize(static_cast<std::size_t>(panels * K * kPanel));
-    pack_panels(x + m0 * ldx, ldx, rows, K, xp.data());
-    const float* packed = xp.data();
-    parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t b, std::int64_t e) {
-      for (std::int64_t c = b; c < e; ++c) {
-        const Chunk& ch = chunks[static_cast<std::size_t>(c)];
-        rows_block(packed, rows, m0, K, parts[ch.part], ch.n0, ch.n1);
-      }
-    });
-  }
+  const std::int64_t panels = (M + kPanel - 1) / kPanel;
+  xp.resize(static_cast<std::size_t>(panels * K * kPanel));
+  float* packed = xp.data();
+  parallel_for(panels, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t p = b; p < e; ++p) pack_panel(x, ldx, M, K, p, packed + p * K * kPanel);
+  });
+  const auto n_chunks = static_cast<std::int64_t>(chunks.size());
+  const std::int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+  parallel_for(blocks * n_chunks, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t t = b; t < e; ++t) {
+      const std::int64_t m0 = (t / n_chunks) * kBlockRows;
+      const Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];
+      rows_block(packed + (m0 / kPanel) * K * kPanel, std::min(kBlockRows, M - m0), m0, K, parts[ch.part], ch.n0,
+                 ch.n1);
+    }
+  });
 #else
   linear_rows(x, M, K, ldx, parts);
 #endif
