@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include <chrono>
 #include <cstdio>
 
 #include "commands.h"
@@ -75,18 +74,9 @@ int run(const BenchGemmOptions& o) {
         auto y = at::empty({m, s.n});
         const double blas = model::gemm_gflops(m, s.n, s.k, at::kFloat, device, o.seconds);
         model::cpu::LinearOut part{w.data_ptr<float>(), nullptr, s.n, y.data_ptr<float>(), s.n};
-        auto once = [&] { model::cpu::linear(x.data_ptr<float>(), m, s.k, s.k, std::span(&part, 1)); };
-        once();  // warm-up
-        using clk = std::chrono::steady_clock;
-        int iters = 0;
-        const auto t0 = clk::now();
-        double elapsed = 0;
-        do {
-          once();
-          ++iters;
-          elapsed = std::chrono::duration<double>(clk::now() - t0).count();
-        } while (elapsed < o.seconds);
-        const double ours = 2.0 * static_cast<double>(m * s.n * s.k) * iters / elapsed / 1e9;
+        const double sec = model::seconds_per_call(
+            [&] { model::cpu::linear(x.data_ptr<float>(), m, s.k, s.k, std::span(&part, 1)); }, device, o.seconds);
+        const double ours = 2.0 * static_cast<double>(m * s.n * s.k) / sec / 1e9;
         nlohmann::json c = {{"dtype", "float32"}, {"device", "cpu"}, {"threads", model::compute_threads()},
                             {"shape", s.name}, {"m", m}, {"n", s.n}, {"k", s.k}, {"preset", o.preset},
                             {"baseline", "blas"}};

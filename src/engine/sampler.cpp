@@ -14,9 +14,15 @@ namespace lorasync::engine {
 
 namespace {
 
+bool is_truncated(const SamplingParams& p) { return p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0; }
+
+bool has_penalty(const SampleRow& r) {
+  return r.params->repetition_penalty != 1.0 && r.history != nullptr && !r.history->empty();
+}
+
 at::Tensor apply_penalty(at::Tensor row, const SampleRow& r) {
+  if (!has_penalty(r)) return row;
   const double pen = r.params->repetition_penalty;
-  if (pen == 1.0 || r.history == nullptr || r.history->empty()) return row;
   std::unordered_set<std::int32_t> seen(r.history->begin(), r.history->end());
   std::vector<std::int64_t> ids(seen.begin(), seen.end());
   std::sort(ids.begin(), ids.end());
@@ -64,10 +70,13 @@ at::Tensor block_sums(const at::Tensor& probs) {
   return padded.view({B, nb, kBlock}).sum(-1, /*keepdim=*/false, at::kDouble).contiguous();
 }
 
+// The row's uniform in [0, 1): 53 bits of its generator.
+double uniform(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0); }
+
 // Inverse-CDF draw: the first token whose cumulative probability exceeds u * total, found by
 // walking the block sums, then the one block.
 std::int32_t draw(const float* probs, const double* sums, std::int64_t V, std::mt19937_64& rng) {
-  const double u = static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0);
+  const double u = uniform(rng);
   const std::int64_t nb = (V + kBlock - 1) / kBlock;
   double total = 0;
   for (std::int64_t b = 0; b < nb; ++b) total += sums[b];
@@ -155,9 +164,6 @@ void sample_fast(const float* x, std::int64_t V, const SampleRow& r, TokenOut& t
     for (const auto& [id, v] : top_of(x, V, *p.logprobs)) t.top.emplace_back(id, logp(id));
 }
 
-// The row's uniform in [0, 1): 53 bits of its generator, as draw() takes it.
-double uniform(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0); }
-
 }  // namespace
 
 std::vector<TokenOut> sample_batch_tensor_ops(const at::Tensor& logits_in, const std::vector<SampleRow>& rows) {
@@ -173,9 +179,11 @@ std::vector<TokenOut> sample_batch_tensor_ops(const at::Tensor& logits_in, const
   std::vector<std::uint8_t> greedy(static_cast<std::size_t>(B));
   int top_k = 0;
   for (std::int64_t i = 0; i < B; ++i) {
-    const SamplingParams& p = *rows[static_cast<std::size_t>(i)].params;
+    const SampleRow& r = rows[static_cast<std::size_t>(i)];
+    const SamplingParams& p = *r.params;
     greedy[static_cast<std::size_t>(i)] = p.temperature <= 0;
     temps[static_cast<std::size_t>(i)] = p.temperature <= 0 ? 1.0f : static_cast<float>(p.temperature);
+    if (p.temperature > 0) us[static_cast<std::size_t>(i)] = uniform(*r.rng);
     if (p.logprobs) top_k = std::max(top_k, *p.logprobs);
   }
   // Processed logprobs [B, V]: one batched log-softmax of x / T, then the rows with a penalty or a
@@ -185,14 +193,10 @@ std::vector<TokenOut> sample_batch_tensor_ops(const at::Tensor& logits_in, const
   for (std::int64_t i = 0; i < B; ++i) {
     const SampleRow& r = rows[static_cast<std::size_t>(i)];
     const SamplingParams& p = *r.params;
-    const bool penalised = p.repetition_penalty != 1.0 && r.history != nullptr && !r.history->empty();
-    const bool truncated = p.temperature > 0 && (p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0);
-    if (!penalised && !truncated) continue;
+    if (!has_penalty(r) && !(p.temperature > 0 && is_truncated(p))) continue;
     auto row = apply_penalty(logits[i], r);
     logp[i].copy_(p.temperature <= 0 ? at::log_softmax(row, 0) : processed_logprobs(row, p));
   }
-  for (std::int64_t i = 0; i < B; ++i)
-    if (!greedy[static_cast<std::size_t>(i)]) us[static_cast<std::size_t>(i)] = uniform(*rows[static_cast<std::size_t>(i)].rng);
   // Greedy: the arg max (log-softmax keeps the order). Sampled: the inverse-CDF draw over block sums
   // in double, as on the host: the block whose running sum first exceeds u * total, then the
   // position in it.
@@ -253,8 +257,7 @@ std::vector<TokenOut> sample_batch(const at::Tensor& logits_in, const std::vecto
       const SamplingParams& p = *r.params;
       TokenOut& t = out[static_cast<std::size_t>(i)];
       auto row = apply_penalty(logits[i], r).contiguous();
-      const bool truncated = p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0;
-      if (fast && (p.temperature <= 0 || !truncated)) {
+      if (fast && (p.temperature <= 0 || !is_truncated(p))) {
         sample_fast(row.data_ptr<float>(), V, r, t, e, sums);
         continue;
       }

@@ -14,7 +14,7 @@
 
 #include "core/model/cpu_kernels.h"
 
-#include "core/model/cpu_isa.h"
+#include "core/model/cpu_kernels_impl.h"
 
 namespace lorasync::model::cpu {
 
@@ -90,20 +90,7 @@ void rows_block(const float* xp, std::int64_t rows, std::int64_t m0, std::int64_
 }
 #endif
 
-struct Chunk {
-  std::size_t part;
-  std::int64_t n0, n1;
-};
-
 }  // namespace
-
-bool linear_gemm_available() {
-#if LS_X86
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
 
 void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
                  std::span<const LinearOut> parts) {
@@ -112,11 +99,8 @@ void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ld
   if (!linear_gemm_available() || K <= 0) return linear_rows(x, M, K, ldx, parts);
   // Chunks of whole tiles, >= 64 KiB of weights each, so the threads balance and a chunk's
   // start-up is noise.
-  const std::int64_t per = std::max<std::int64_t>(kTileN, (16384 / K + kTileN - 1) / kTileN * kTileN);
-  std::vector<Chunk> chunks;
-  for (std::size_t i = 0; i < parts.size(); ++i)
-    for (std::int64_t n = 0; n < parts[i].n_out; n += per)
-      chunks.push_back({i, n, std::min(parts[i].n_out, n + per)});
+  const auto chunks =
+      detail::weight_chunks(parts, std::max<std::int64_t>(kTileN, (16384 / K + kTileN - 1) / kTileN * kTileN));
   // Every panel of x packed first (in parallel), into a buffer this thread reuses; then one region
   // over (block of 64 rows, chunk of weight rows) tasks, block-major: at decode sizes (one block)
   // the threads split the weights, at prefill sizes mostly the blocks.
@@ -132,7 +116,7 @@ void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ld
   parallel_for(blocks * n_chunks, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t t = b; t < e; ++t) {
       const std::int64_t m0 = (t / n_chunks) * kBlockRows;
-      const Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];
+      const detail::Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];
       rows_block(packed + (m0 / kPanel) * K * kPanel, std::min(kBlockRows, M - m0), m0, K, parts[ch.part], ch.n0,
                  ch.n1);
     }

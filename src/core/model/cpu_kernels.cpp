@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/model/cpu_isa.h"
+#include "core/model/cpu_kernels_impl.h"
 
 namespace lorasync::model::cpu {
 
@@ -384,10 +384,7 @@ void rows_range(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx
   }
 }
 
-struct Chunk {
-  std::size_t part;
-  std::int64_t n0, n1;
-};
+using detail::Chunk;
 
 }  // namespace
 
@@ -396,6 +393,8 @@ void parallel_for(std::int64_t n, const std::function<void(std::int64_t, std::in
 }
 
 bool set_force_portable(bool on) { return g_force_portable.exchange(on); }
+
+bool linear_gemm_available() { return cpu_has_avx2(); }
 
 void linear(const float* x, std::int64_t M, std::int64_t K, std::int64_t ldx,
             std::span<const LinearOut> parts) {
@@ -409,10 +408,7 @@ void linear_rows(const float* x, std::int64_t M, std::int64_t K, std::int64_t ld
   // Chunks of weight rows small enough to balance the threads, large enough (>= 64 KiB of
   // weights) that a chunk's start-up cost is noise.
   const std::int64_t rows_per_chunk = std::max<std::int64_t>(8, ((16384 / std::max<std::int64_t>(K, 1)) + 7) / 8 * 8);
-  std::vector<Chunk> chunks;
-  for (std::size_t i = 0; i < parts.size(); ++i)
-    for (std::int64_t n = 0; n < parts[i].n_out; n += rows_per_chunk)
-      chunks.push_back({i, n, std::min(parts[i].n_out, n + rows_per_chunk)});
+  const auto chunks = detail::weight_chunks(parts, rows_per_chunk);
   const bool avx = use_avx2();
   parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t c = b; c < e; ++c) {
@@ -432,7 +428,6 @@ void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<co
   for (std::size_t d = 0; d < deltas.size(); ++d) {
     const auto& dl = deltas[d];
     t_off[d + 1] = t_off[d] + dl.n_rows * dl.r;
-    for (std::int64_t i = 0; i < dl.n_rows; i += kRowBlock) a_tasks.push_back({d, i, std::min(dl.n_rows, i + kRowBlock)});
     for (std::int64_t n = 0; n < dl.out; n += kOutBlock) b_tasks.push_back({d, n, std::min(dl.out, n + kOutBlock)});
   }
   thread_local std::vector<float> t_buf;
@@ -465,7 +460,10 @@ void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<co
     for (std::size_t e : members)
       for (std::int64_t i = t_off[e]; i < t_off[e + 1]; ++i) t[i] *= deltas[e].scale;
   }
-  std::erase_if(a_tasks, [&](const Chunk& c) { return done[c.part]; });
+  for (std::size_t d = 0; d < deltas.size(); ++d)
+    if (!done[d])
+      for (std::int64_t i = 0; i < deltas[d].n_rows; i += kRowBlock)
+        a_tasks.push_back({d, i, std::min(deltas[d].n_rows, i + kRowBlock)});
   parallel_for(static_cast<std::int64_t>(a_tasks.size()), [&](std::int64_t b, std::int64_t e) {
     thread_local std::vector<float> xs;
     xs.resize(static_cast<std::size_t>(kRowBlock * in));

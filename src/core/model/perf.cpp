@@ -89,20 +89,25 @@ double gemm_gflops(std::int64_t m, std::int64_t n, std::int64_t k, c10::ScalarTy
   auto x = at::randn({m, k}, opts);
   auto w = at::randn({n, k}, opts);
   at::NoGradGuard ng;
-  auto y = at::linear(x, w);  // warm-up
+  at::Tensor y;
+  const double s = seconds_per_call([&] { y = at::linear(x, w); }, device, min_seconds);
+  return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) / s / 1e9;
+}
+
+double seconds_per_call(const std::function<void()>& f, c10::Device device, double min_seconds) {
+  f();  // warm-up
   device_synchronize(device);
   using clk = std::chrono::steady_clock;
   int iters = 0;
-  auto t0 = clk::now();
+  const auto t0 = clk::now();
   double elapsed = 0;
   do {
-    y = at::linear(x, w);
+    f();
     ++iters;
     device_synchronize(device);
     elapsed = std::chrono::duration<double>(clk::now() - t0).count();
   } while (elapsed < min_seconds);
-  return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) * iters /
-         elapsed / 1e9;
+  return elapsed / iters;
 }
 
 double gemm_peak_gflops(c10::ScalarType dtype, c10::Device device, double min_seconds) {

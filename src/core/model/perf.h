@@ -7,10 +7,15 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "core/model/qwen2_config.h"
 
 namespace lorasync::model {
+
+// Seconds per call of f: one untimed warm-up call, then calls until min_seconds have passed,
+// the device synchronised after each.
+double seconds_per_call(const std::function<void()>& f, c10::Device device, double min_seconds);
 
 // GFLOP/s of C[M,N] = A[M,K] B[K,N] (as at::linear computes it: x W^T), repeated for at least
 // min_seconds after one warm-up call.

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 
 #include "core/model/qwen2_model.h"
 #include "engine/sampler.h"
@@ -25,6 +26,23 @@ std::vector<TokenOut> sample(const at::Tensor& logits, const std::vector<Samplin
   return out;
 }
 
+// The same ids, logprobs within 1e-4, the same top logprobs (equal where truncated away).
+void expect_same_tokens(const std::vector<TokenOut>& got, const std::vector<TokenOut>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].id, want[i].id) << "row " << i;
+    EXPECT_NEAR(got[i].logprob, want[i].logprob, 1e-4) << "row " << i;
+    ASSERT_EQ(got[i].top.size(), want[i].top.size()) << "row " << i;
+    for (std::size_t k = 0; k < got[i].top.size(); ++k) {
+      EXPECT_EQ(got[i].top[k].first, want[i].top[k].first) << "row " << i << " top " << k;
+      if (std::isinf(want[i].top[k].second))  // truncated away (top-p rows)
+        EXPECT_EQ(got[i].top[k].second, want[i].top[k].second) << "row " << i << " top " << k;
+      else
+        EXPECT_NEAR(got[i].top[k].second, want[i].top[k].second, 1e-4) << "row " << i << " top " << k;
+    }
+  }
+}
+
 TEST(Sampler, FastRowsEqualTheLibtorchExpression) {
   at::manual_seed(1);
   const std::int64_t B = 48, V = 5003;
@@ -36,20 +54,7 @@ TEST(Sampler, FastRowsEqualTheLibtorchExpression) {
     p.logprobs = i % 3 == 0 ? 5 : 0;
     if (i % 8 == 7) p.top_p = 0.9;  // truncated: the libtorch path on both sides
   }
-  auto fast = sample(logits, params, 100, true);
-  auto ref = sample(logits, params, 100, false);
-  for (std::size_t i = 0; i < fast.size(); ++i) {
-    EXPECT_EQ(fast[i].id, ref[i].id) << "row " << i;
-    EXPECT_NEAR(fast[i].logprob, ref[i].logprob, 1e-4) << "row " << i;
-    ASSERT_EQ(fast[i].top.size(), ref[i].top.size()) << "row " << i;
-    for (std::size_t k = 0; k < fast[i].top.size(); ++k) {
-      EXPECT_EQ(fast[i].top[k].first, ref[i].top[k].first) << "row " << i << " top " << k;
-      if (std::isinf(ref[i].top[k].second))  // truncated away (top-p rows)
-        EXPECT_EQ(fast[i].top[k].second, ref[i].top[k].second) << "row " << i << " top " << k;
-      else
-        EXPECT_NEAR(fast[i].top[k].second, ref[i].top[k].second, 1e-4) << "row " << i << " top " << k;
-    }
-  }
+  expect_same_tokens(sample(logits, params, 100, true), sample(logits, params, 100, false));
   // The draws follow the distribution: with a peaked row, the likely token dominates.
   auto peaked = at::zeros({1, V});
   peaked[0][42] = 8.0;
@@ -87,19 +92,8 @@ TEST(Sampler, TensorOpsEqualTheHostPath) {
     return tensor_ops ? sample_batch_tensor_ops(logits, rows) : sample_batch(logits, rows);
   };
   for (std::uint64_t seed : {100u, 200u}) {
-    auto host = run(false, seed), ops = run(true, seed);
-    for (std::size_t i = 0; i < host.size(); ++i) {
-      EXPECT_EQ(ops[i].id, host[i].id) << "row " << i << " seed " << seed;
-      EXPECT_NEAR(ops[i].logprob, host[i].logprob, 1e-4) << "row " << i;
-      ASSERT_EQ(ops[i].top.size(), host[i].top.size()) << "row " << i;
-      for (std::size_t k = 0; k < ops[i].top.size(); ++k) {
-        EXPECT_EQ(ops[i].top[k].first, host[i].top[k].first) << "row " << i << " top " << k;
-        if (std::isinf(host[i].top[k].second))
-          EXPECT_EQ(ops[i].top[k].second, host[i].top[k].second) << "row " << i << " top " << k;
-        else
-          EXPECT_NEAR(ops[i].top[k].second, host[i].top[k].second, 1e-4) << "row " << i << " top " << k;
-      }
-    }
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    expect_same_tokens(run(true, seed), run(false, seed));
   }
   auto peaked = at::zeros({1, V});
   peaked[0][42] = 8.0;
