@@ -58,7 +58,7 @@ def ours(a):
     out = sh([a.lorasync, "bench", "forward", "--presets", a.preset, "--threads", str(a.threads),
               "--prompt-tokens", "512", "--prefill-batch", "1", "--decode-batches", a.batches,
               "--context", str(a.context), "--decode-steps", str(a.steps), "--repeats", "2",
-              "--paths", "fast"])
+              "--paths", "fast", "--adapters", "0"])
     r = {}
     for line in out.splitlines():
         if not line.startswith("{"):

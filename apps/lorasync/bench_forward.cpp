@@ -6,6 +6,9 @@
 //  - decode: batch b sequences with `context` cached tokens, `decode_steps` steps of one token each
 //    through the batched decode path, LM head included; on CPU our decode kernels against the
 //    libtorch path of the same maths (model::set_cpu_fast_paths) in the same run;
+//  - decode with adapters (--adapters N, fast path): the same steps with N resident rank-8
+//    all-linear adapters, the rows dealt round-robin to them (as a server's mixed batch), against
+//    the base-model decode of the same run;
 //  - sample: one sampler call over [b, vocab] logits (temperature 1, the logprob of the drawn
 //    token), ours against the libtorch expression.
 // bench/llamacpp_compare.py runs this next to llama.cpp on a GGUF conversion of the same weights.
@@ -19,6 +22,7 @@
 #include <random>
 
 #include "commands.h"
+#include "core/model/lora.h"
 #include "core/model/perf.h"
 #include "core/model/qwen2_model.h"
 #include "core/model/runtime.h"
@@ -44,6 +48,7 @@ struct BenchForwardOptions {
   int threads = 0;
   int repeats = 3;
   std::string paths = "fast,reference";
+  int adapters = 5;  // resident adapters for the mixed decode (0: not timed)
 };
 
 double seconds_of(const std::function<void()>& f, c10::Device device, int repeats) {
@@ -87,6 +92,18 @@ int run(const BenchForwardOptions& o) {
     LS_LOG_INFO("bench", "forward: building random {} model ({:.1f}M params)", preset,
                 static_cast<double>(cfg.n_params()) / 1e6);
     auto m = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, 0, dtype), dtype, device);
+    // Rank-8 all-linear adapters with random A and B (B is zero at init: a real one is not).
+    std::vector<model::LoraAdapter> adapters;
+    for (int a = 0; a < o.adapters; ++a) {
+      model::LoraConfig lc;
+      lc.rank = 8;
+      lc.alpha = 16;
+      lc.targets = model::LoraConfig::parse_targets({"all-linear"});
+      auto ad = model::LoraAdapter::init(lc, cfg, static_cast<std::uint64_t>(a + 1), at::kCPU);
+      for (std::int64_t l = 0; l < ad.n_layers(); ++l)
+        for (auto mod : lc.targets) ad.B(l, mod).normal_(0, 0.05);
+      adapters.push_back(ad.to(device));
+    }
     auto cfg_json = env;
     cfg_json["preset"] = preset;
     cfg_json["params"] = cfg.n_params();
@@ -132,9 +149,9 @@ int run(const BenchForwardOptions& o) {
 
     // Decode at several batch sizes.
     for (auto b : parse_int_list(o.decode_batches, "--decode-batches")) {
-      // Each path runs 1 + repeats timings of decode_steps tokens on the same cache (the second
-      // path therefore sees a context longer by (1 + repeats) * decode_steps tokens).
-      const std::int64_t cap = o.context + o.decode_steps * 2 * (o.repeats + 1) + 1;
+      // Each timing (reference, fast, and with --adapters the mixed and the base again) runs 1 +
+      // repeats times decode_steps tokens on the same cache, so later ones see longer contexts.
+      const std::int64_t cap = o.context + o.decode_steps * (6 * o.repeats + 2) + 1;
       model::ContiguousKvCache cache(cfg, b, cap, dtype, device);
       std::vector<std::vector<std::int64_t>> ctx(static_cast<std::size_t>(b));
       std::vector<std::int64_t> ids;
@@ -156,12 +173,21 @@ int run(const BenchForwardOptions& o) {
         m->forward(pb, nullptr, &cache.pool(), &meta);
       }
       std::vector<std::int64_t> pos(static_cast<std::size_t>(b), o.context);
+      // Rows dealt round-robin to the adapters (the mixed decode); the LoraBatch is built per step,
+      // as the engine does.
+      std::vector<const model::LoraAdapter*> slots;
+      for (const auto& a : adapters) slots.push_back(&a);
+      std::vector<int> row_slot;
+      for (std::int64_t i = 0; i < b; ++i) row_slot.push_back(slots.empty() ? -1 : static_cast<int>(i % static_cast<std::int64_t>(slots.size())));
+      bool with_adapters = false;
       auto step_all = [&] {
         for (std::int64_t st = 0; st < o.decode_steps; ++st) {
           std::vector<std::vector<std::int64_t>> one(static_cast<std::size_t>(b), std::vector<std::int64_t>{1});
           auto db = model::make_batch(one, pos, device);
           auto meta = cache.plan(db.segs, ids);
-          (void)m->logits(m->forward(db, nullptr, &cache.pool(), &meta));
+          std::optional<model::LoraBatch> lora;
+          if (with_adapters) lora = model::LoraBatch::from_row_slots(slots, row_slot, device);
+          (void)m->logits(m->forward(db, lora ? &*lora : nullptr, &cache.pool(), &meta));
           for (auto& p : pos) ++p;
         }
       };
@@ -201,6 +227,24 @@ int run(const BenchForwardOptions& o) {
                   "GB/s", std::nullopt, pc});
         if (device.is_cpu())
           rep.emit({"forward", "sample_calls_per_s", 1.0 / ss, "calls/s", ref_sample, pc});
+        if (!adapters.empty()) {
+          // The mixed batch and the base model alternate, `repeats` timings each, and each keeps
+          // its best: the machine's pace drifts between timings (on the 2-core VM the base decode
+          // alone moved by 25% within one run), and alternating exposes both sides to it alike.
+          const bool prev2 = model::set_cpu_fast_paths(true);
+          double ms = 1e30, bs2 = ds;
+          for (int r = 0; r < o.repeats; ++r) {
+            with_adapters = true;
+            ms = std::min(ms, seconds_of(step_all, device, 1));
+            with_adapters = false;
+            bs2 = std::min(bs2, seconds_of(step_all, device, 1));
+          }
+          model::set_cpu_fast_paths(prev2);
+          auto ac = pc;
+          ac["adapters"] = adapters.size();
+          ac["rank"] = 8;
+          rep.emit({"forward", "decode_tokens_per_s_adapters", toks / ms, "tokens/s", toks / bs2, ac});
+        }
       }
     }
   }
@@ -223,6 +267,8 @@ void register_bench_forward(CLI::App& bench, Registry& reg) {
   sub->add_option("--device", o->device, "cpu|cuda[:N]")->capture_default_str();
   sub->add_option("--threads", o->threads, "0 = all cores")->capture_default_str();
   sub->add_option("--repeats", o->repeats, "timed repetitions (best is kept)")->capture_default_str();
+  sub->add_option("--adapters", o->adapters, "resident rank-8 adapters for the mixed decode (0: none)")
+      ->capture_default_str();
   sub->add_option("--paths", o->paths, "decode paths to time: fast (our CPU kernels), reference (libtorch)")
       ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });

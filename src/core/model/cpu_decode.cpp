@@ -2,12 +2,15 @@
 // Qwen2Model::forward, with the small per-token steps fused into single loops, q/k/v and gate/up
 // each computed in one pass over their weights, decode rows' attention reading the paged KV cache
 // in place (a mixed step's prefill chunks use libtorch's fused attention), and LoRA deltas with
-// the maths of LoraBatch::apply on our kernels (lora_into).
+// the maths of LoraBatch::apply on our kernels (project: folded into the projections for decode-sized
+// steps; lora_into above 64 rows).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
 #include <atomic>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -81,45 +84,120 @@ struct LoraOut {
   LoraModule m;
 };
 
+// A step's LoRA batch on our kernels: each part's rows as int64 on the CPU, checked against the
+// batch once per step; `ours` false (an adapter not fp32 on the CPU): the libtorch path.
+struct LoraPlan {
+  const LoraBatch* lora = nullptr;
+  std::vector<at::Tensor> rows;               // per part; undefined: every row of the batch
+  std::vector<const std::int64_t*> row_ptrs;  // null: every row
+  std::vector<std::int64_t> n_rows;
+  bool ours = true;
+
+  LoraPlan(const LoraBatch& l, std::int64_t M) : lora(&l) {
+    for (const auto& part : l.parts()) {
+      for (std::int64_t layer = 0; layer < part.adapter->n_layers() && ours; ++layer)
+        for (auto m : part.adapter->config().targets)
+          if (!fp32_cpu_contiguous(part.adapter->A(layer, m)) || !fp32_cpu_contiguous(part.adapter->B(layer, m)))
+            ours = false;
+      if (part.rows.defined() && !part.rows.device().is_cpu()) ours = false;
+    }
+    if (!ours) return;
+    for (const auto& part : l.parts()) {
+      at::Tensor r;
+      const std::int64_t* ri = nullptr;
+      std::int64_t R = M;
+      if (part.rows.defined()) {
+        r = part.rows.to(at::kLong).contiguous();
+        R = r.numel();
+        ri = r.data_ptr<std::int64_t>();
+        for (std::int64_t i = 0; i < R; ++i)
+          if (ri[i] < 0 || ri[i] >= M) throw_invalid("LoRA row {} outside the batch of {}", ri[i], M);
+      }
+      rows.push_back(std::move(r));
+      row_ptrs.push_back(ri);
+      n_rows.push_back(R);
+    }
+  }
+};
+
 // The LoRA deltas of every adapter of the batch for outputs that share the input x, with the
 // maths of LoraBatch::apply (y += s * B (A x) per row) in one cpu::lora_deltas call: two parallel
 // regions whatever the number of adapters and targeted modules. (LoraBatch::apply spends ~5
 // dispatcher round trips per adapter, module and layer; one region per product, as before this,
 // cost 1.4x the base model's step with 5 adapters of rank 8 at 16 streams.)
-void lora_into(const LoraBatch& lora, const at::Tensor& x, std::int64_t layer, std::initializer_list<LoraOut> outs) {
-  for (const auto& part : lora.parts())
-    for (const auto& o : outs)
-      if (part.adapter->config().targets_module(o.m) &&
-          (!fp32_cpu_contiguous(part.adapter->A(layer, o.m)) || !fp32_cpu_contiguous(part.adapter->B(layer, o.m)) ||
-           (part.rows.defined() && !part.rows.device().is_cpu()))) {
-        // Other dtypes or devices: the libtorch path.
-        for (const auto& oo : outs) *oo.y = lora.apply(x, *oo.y, layer, oo.m).contiguous();
-        return;
-      }
-  const auto M = x.size(0), in = x.size(1);
-  std::vector<at::Tensor> rows(lora.parts().size());
+void lora_into(const LoraPlan& plan, const at::Tensor& x, std::int64_t layer, std::initializer_list<LoraOut> outs) {
+  const LoraBatch& lora = *plan.lora;
+  if (!plan.ours) {
+    for (const auto& o : outs) *o.y = lora.apply(x, *o.y, layer, o.m).contiguous();
+    return;
+  }
+  const auto in = x.size(1);
   std::vector<cpu::LoraDelta> deltas;
   for (std::size_t pi = 0; pi < lora.parts().size(); ++pi) {
-    const auto& part = lora.parts()[pi];
-    const std::int64_t* ri = nullptr;
-    std::int64_t R = M;
-    if (part.rows.defined()) {
-      rows[pi] = part.rows.to(at::kLong).contiguous();
-      R = rows[pi].numel();
-      ri = rows[pi].data_ptr<std::int64_t>();
-      for (std::int64_t i = 0; i < R; ++i)
-        if (ri[i] < 0 || ri[i] >= M) throw_invalid("LoRA row {} outside the batch of {}", ri[i], M);
-    }
+    const auto& adapter = *lora.parts()[pi].adapter;
     for (const auto& o : outs) {
-      if (!part.adapter->config().targets_module(o.m)) continue;
-      const auto& A = part.adapter->A(layer, o.m);
-      const auto& B = part.adapter->B(layer, o.m);
-      deltas.push_back({A.data_ptr<float>(), B.data_ptr<float>(), A.size(0),
-                        static_cast<float>(part.adapter->config().scaling()), ri, R, o.y->data_ptr<float>(),
-                        o.y->size(1), o.y->size(1)});
+      if (!adapter.config().targets_module(o.m)) continue;
+      const auto& A = adapter.A(layer, o.m);
+      deltas.push_back({A.data_ptr<float>(), adapter.B(layer, o.m).data_ptr<float>(), A.size(0),
+                        static_cast<float>(adapter.config().scaling()), plan.row_ptrs[pi], plan.n_rows[pi],
+                        o.y->data_ptr<float>(), o.y->size(1), o.y->size(1)});
     }
   }
   if (!deltas.empty()) cpu::lora_deltas(x.data_ptr<float>(), in, in, deltas);
+}
+
+// Up to this many rows the adapters' A products join the base projections' parallel region and
+// the B products follow on this thread (cpu::lora_b_updates): a decode step's LoRA adds no
+// parallel region. The A products are computed for every row of the batch, not only their
+// adapter's rows: (adapters - 1) x the A work needed, a few percent of the base weights' work at
+// these sizes, and cheaper than a region. (5 adapters of rank 8 at 16 rows: lora_into's two
+// regions per call took 1.8 ms of a 34 ms step in `bench forward`, and 6.3 ms of the engine's
+// 20 ms forward in `bench serve`, where other threads compete for the cores at every barrier.)
+// Above, lora_into's gathered path.
+constexpr std::int64_t kFoldedLoraRows = 64;
+
+// linear_into(x, projs), and the LoRA deltas of `outs` (the same outputs) when plan is set.
+void project(const at::Tensor& x, std::initializer_list<Proj> projs, const LoraPlan* plan, std::int64_t layer,
+             std::initializer_list<LoraOut> outs) {
+  const auto M = x.size(0);
+  if (plan == nullptr || !plan->ours || M > kFoldedLoraRows) {
+    linear_into(x, projs);
+    if (plan) lora_into(*plan, x, layer, outs);
+    return;
+  }
+  const LoraBatch& lora = *plan->lora;
+  // t [M, sum of ranks]: A x of every (part, targeted output), side by side.
+  struct Slot {
+    std::size_t part;
+    const LoraOut* out;
+    std::int64_t off;
+  };
+  std::vector<Slot> slots;
+  std::int64_t width = 0;
+  for (std::size_t pi = 0; pi < lora.parts().size(); ++pi)
+    for (const auto& o : outs)
+      if (lora.parts()[pi].adapter->config().targets_module(o.m)) {
+        slots.push_back({pi, &o, width});
+        width += lora.parts()[pi].adapter->A(layer, o.m).size(0);
+      }
+  thread_local std::vector<float> t;
+  t.resize(static_cast<std::size_t>(M * width));
+  std::vector<cpu::LinearOut> parts;
+  for (const auto& p : projs)
+    parts.push_back({p.w->data_ptr<float>(), p.bias ? p.bias->data_ptr<float>() : nullptr, p.w->size(0),
+                     p.y->data_ptr<float>(), p.y->size(1)});
+  std::vector<cpu::LoraBUpdate> updates;
+  for (const auto& sl : slots) {
+    const auto& adapter = *lora.parts()[sl.part].adapter;
+    const auto& A = adapter.A(layer, sl.out->m);
+    float* ts = t.data() + sl.off;
+    parts.push_back({A.data_ptr<float>(), nullptr, A.size(0), ts, width});
+    updates.push_back({ts, width, adapter.B(layer, sl.out->m).data_ptr<float>(), A.size(0),
+                       static_cast<float>(adapter.config().scaling()), plan->row_ptrs[sl.part], plan->n_rows[sl.part],
+                       sl.out->y->data_ptr<float>(), sl.out->y->size(1), sl.out->y->size(1)});
+  }
+  cpu::linear(x.data_ptr<float>(), M, x.size(1), x.size(1), parts);
+  cpu::lora_b_updates(updates);
 }
 
 // The LM head's output, [rows, vocab] fp32, in a buffer this thread reuses once its caller has let
@@ -250,14 +328,17 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
     std::memcpy(h.data_ptr<float>() + b * d, emb + tok[b] * d, static_cast<std::size_t>(d) * sizeof(float));
   }
   const float* inv_freq = inv_freq_.data_ptr<float>();
+  std::optional<LoraPlan> plan;
+  if (lora) plan.emplace(*lora, B);
+  const LoraPlan* lp = plan ? &*plan : nullptr;
   auto x = at::empty({B, d}, f32);
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     const Layer& Ly = layers_[l];
     const auto li = static_cast<std::int64_t>(l);
     cpu::rms_norm(h.data_ptr<float>(), Ly.input_norm.data_ptr<float>(), eps, B, d, x.data_ptr<float>());
     auto q = at::empty({B, qd}, f32), k = at::empty({B, kvd}, f32), v = at::empty({B, kvd}, f32);
-    linear_into(x, {{&Ly.q_w, &Ly.q_b, &q}, {&Ly.k_w, &Ly.k_b, &k}, {&Ly.v_w, &Ly.v_b, &v}});
-    if (lora) lora_into(*lora, x, li, {{&q, LoraModule::kQ}, {&k, LoraModule::kK}, {&v, LoraModule::kV}});
+    project(x, {{&Ly.q_w, &Ly.q_b, &q}, {&Ly.k_w, &Ly.k_b, &k}, {&Ly.v_w, &Ly.v_b, &v}}, lp, li,
+            {{&q, LoraModule::kQ}, {&k, LoraModule::kK}, {&v, LoraModule::kV}});
     cpu::rope(q.data_ptr<float>(), B, qd, nh, hd, pos, inv_freq);
     cpu::rope(k.data_ptr<float>(), B, kvd, nkv, hd, pos, inv_freq);
     float* kp = kv.k[l].data_ptr<float>();
@@ -284,19 +365,17 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
       attn.narrow(0, seg.begin, seg.len).copy_(out);
     }
     auto o = at::empty({B, d}, f32);
-    linear_into(attn, {{&Ly.o_w, nullptr, &o}});
-    if (lora) lora_into(*lora, attn, li, {{&o, LoraModule::kO}});
+    project(attn, {{&Ly.o_w, nullptr, &o}}, lp, li, {{&o, LoraModule::kO}});
     add_into(h, o);
 
     cpu::rms_norm(h.data_ptr<float>(), Ly.post_norm.data_ptr<float>(), eps, B, d, x.data_ptr<float>());
     auto gate = at::empty({B, I}, f32), up = at::empty({B, I}, f32);
-    linear_into(x, {{&Ly.gate_w, nullptr, &gate}, {&Ly.up_w, nullptr, &up}});
-    if (lora) lora_into(*lora, x, li, {{&gate, LoraModule::kGate}, {&up, LoraModule::kUp}});
+    project(x, {{&Ly.gate_w, nullptr, &gate}, {&Ly.up_w, nullptr, &up}}, lp, li,
+            {{&gate, LoraModule::kGate}, {&up, LoraModule::kUp}});
     auto act = at::empty({B, I}, f32);
     cpu::silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), B * I, act.data_ptr<float>());
     auto down = at::empty({B, d}, f32);
-    linear_into(act, {{&Ly.down_w, nullptr, &down}});
-    if (lora) lora_into(*lora, act, li, {{&down, LoraModule::kDown}});
+    project(act, {{&Ly.down_w, nullptr, &down}}, lp, li, {{&down, LoraModule::kDown}});
     add_into(h, down);
   }
   auto out = at::empty({B, d}, f32);

@@ -113,7 +113,12 @@ void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ld
   });
   const auto n_chunks = static_cast<std::int64_t>(chunks.size());
   const std::int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
-  parallel_for(blocks * n_chunks, [&](std::int64_t b, std::int64_t e) {
+  // Cut by work (rows of x times weight rows): the chunks differ in size where a part is small.
+  auto work = [&](std::int64_t t) {
+    const detail::Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];
+    return std::min(kBlockRows, M - (t / n_chunks) * kBlockRows) * (ch.n1 - ch.n0);
+  };
+  parallel_for_cost(blocks * n_chunks, work, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t t = b; t < e; ++t) {
       const std::int64_t m0 = (t / n_chunks) * kBlockRows;
       const detail::Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];

@@ -392,6 +392,30 @@ void parallel_for(std::int64_t n, const std::function<void(std::int64_t, std::in
   at::parallel_for(0, n, 1, [&](std::int64_t b, std::int64_t e) { f(b, e); });
 }
 
+void parallel_for_cost(std::int64_t n, const std::function<std::int64_t(std::int64_t)>& cost,
+                       const std::function<void(std::int64_t, std::int64_t)>& f) {
+  const std::int64_t T = at::get_num_threads();
+  if (n < 2 || T < 2 || at::in_parallel_region()) {
+    if (n > 0) f(0, n);
+    return;
+  }
+  std::vector<std::int64_t> prefix(static_cast<std::size_t>(n) + 1, 0);
+  for (std::int64_t i = 0; i < n; ++i) prefix[static_cast<std::size_t>(i) + 1] = prefix[static_cast<std::size_t>(i)] + cost(i);
+  const std::int64_t total = prefix.back();
+  // Piece t starts at the first task whose running total reaches t / T of the whole.
+  auto start = [&](std::int64_t t) -> std::int64_t {
+    if (t >= T) return n;
+    const auto share = static_cast<std::int64_t>(static_cast<double>(total) * static_cast<double>(t) / static_cast<double>(T));
+    return std::lower_bound(prefix.begin(), prefix.end(), share) - prefix.begin();
+  };
+  at::parallel_for(0, T, 1, [&](std::int64_t tb, std::int64_t te) {
+    for (std::int64_t t = tb; t < te; ++t) {
+      const std::int64_t b = start(t), e = start(t + 1);
+      if (b < e) f(b, e);
+    }
+  });
+}
+
 bool set_force_portable(bool on) { return g_force_portable.exchange(on); }
 
 bool linear_gemm_available() { return cpu_has_avx2(); }
@@ -410,10 +434,60 @@ void linear_rows(const float* x, std::int64_t M, std::int64_t K, std::int64_t ld
   const std::int64_t rows_per_chunk = std::max<std::int64_t>(8, ((16384 / std::max<std::int64_t>(K, 1)) + 7) / 8 * 8);
   const auto chunks = detail::weight_chunks(parts, rows_per_chunk);
   const bool avx = use_avx2();
-  parallel_for(static_cast<std::int64_t>(chunks.size()), [&](std::int64_t b, std::int64_t e) {
+  auto rows_of = [&](std::int64_t c) { return chunks[static_cast<std::size_t>(c)].n1 - chunks[static_cast<std::size_t>(c)].n0; };
+  parallel_for_cost(static_cast<std::int64_t>(chunks.size()), rows_of, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t c = b; c < e; ++c) {
       const Chunk& ch = chunks[static_cast<std::size_t>(c)];
       rows_range(x, M, K, ldx, parts[ch.part], ch.n0, ch.n1, avx);
+    }
+  });
+}
+
+void lora_b_updates(std::span<const LoraBUpdate> updates) {
+  const bool avx = use_avx2();
+  std::int64_t macs = 0, n_rows = 0;
+  for (const auto& u : updates) {
+    macs += u.n_rows * u.out * u.r;
+    n_rows += u.n_rows;
+  }
+  // Row i of update u: y[row] += B (scale * t[row]), the scaled t in a per-thread buffer.
+  auto one_row = [avx](const LoraBUpdate& u, std::int64_t i) {
+    thread_local std::vector<float> ts;
+    ts.resize(static_cast<std::size_t>(u.r));
+    const std::int64_t row = u.rows ? u.rows[i] : i;
+    const float* t = u.t + row * u.ldt;
+    for (std::int64_t k = 0; k < u.r; ++k) ts[static_cast<std::size_t>(k)] = t[k] * u.scale;
+    float* y = u.y + row * u.ldy;
+#if LS_X86
+    if (avx) {
+      if (u.r % 8 == 0) {
+        rank_update_rows_avx2(ts.data(), u.B, u.r, u.out, y);
+      } else {
+        for (std::int64_t j = 0; j < u.out; ++j) y[j] += dot_avx2(ts.data(), u.B + j * u.r, u.r);
+      }
+      return;
+    }
+#endif
+    for (std::int64_t j = 0; j < u.out; ++j) {
+      const float* b = u.B + j * u.r;
+      float acc = 0;
+      for (std::int64_t k = 0; k < u.r; ++k) acc += ts[static_cast<std::size_t>(k)] * b[k];
+      y[j] += acc;
+    }
+  };
+  if (macs < kLoraSerialMacs) {
+    for (const auto& u : updates)
+      for (std::int64_t i = 0; i < u.n_rows; ++i) one_row(u, i);
+    return;
+  }
+  std::vector<std::pair<std::size_t, std::int64_t>> tasks;  // (update, row index)
+  tasks.reserve(static_cast<std::size_t>(n_rows));
+  for (std::size_t k = 0; k < updates.size(); ++k)
+    for (std::int64_t i = 0; i < updates[k].n_rows; ++i) tasks.emplace_back(k, i);
+  parallel_for(static_cast<std::int64_t>(tasks.size()), [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t c = b; c < e; ++c) {
+      const auto& [k, i] = tasks[static_cast<std::size_t>(c)];
+      one_row(updates[k], i);
     }
   });
 }

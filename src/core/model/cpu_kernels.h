@@ -26,6 +26,12 @@ bool set_force_portable(bool on);
 // runtime): one piece per thread, run inline for n < 2 or inside another parallel region.
 void parallel_for(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& f);
 
+// The same, cut where the running total of cost(i) (>= 0) crosses each thread's equal share:
+// parallel_for cuts by count, which gives one thread most of the work when tasks differ in size
+// (a linear call's 64 KiB weight chunks next to its LoRA A parts of a few KiB).
+void parallel_for_cost(std::int64_t n, const std::function<std::int64_t(std::int64_t)>& cost,
+                       const std::function<void(std::int64_t, std::int64_t)>& f);
+
 // One output matrix of a shared-input linear: y[m * ldy + n] = x[m] . w[n] (+ bias[n]),
 // w row-major [n_out, K].
 struct LinearOut {
@@ -79,6 +85,28 @@ struct LoraDelta {
 // block of rows), then the B products as chained multiply-adds into y for every (delta, block of
 // outputs). Deltas must not write the same element of y (adapters own disjoint rows).
 void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<const LoraDelta> deltas);
+
+// One adapter's B product on one module's output, its A product already computed for its rows:
+// y[row] += scale * B t[row] for each of its rows, t[row] = A x[row] (r values at t + row * ldt,
+// unscaled), B [out, r] row-major. rows null: rows 0 .. n_rows - 1.
+struct LoraBUpdate {
+  const float* t = nullptr;
+  std::int64_t ldt = 0;
+  const float* B = nullptr;
+  std::int64_t r = 0;
+  float scale = 1.0f;
+  const std::int64_t* rows = nullptr;
+  std::int64_t n_rows = 0;
+  float* y = nullptr;
+  std::int64_t ldy = 0;
+  std::int64_t out = 0;
+};
+
+// Every update, on the calling thread when the whole is below kLoraSerialMacs multiply-adds (a
+// decode step's: a parallel region would cost more than the work), else in one parallel region
+// over (update, row) tasks. Updates must not write the same element of y.
+inline constexpr std::int64_t kLoraSerialMacs = std::int64_t{1} << 20;
+void lora_b_updates(std::span<const LoraBUpdate> updates);
 
 // out[m] = w * (x[m] * rsqrt(mean(x[m]^2) + eps)), rows of d (out may equal x).
 void rms_norm(const float* x, const float* w, float eps, std::int64_t M, std::int64_t d, float* out);

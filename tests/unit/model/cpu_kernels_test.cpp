@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <iostream>
 #include <random>
 
@@ -131,6 +132,66 @@ TEST(CpuKernels, LoraDeltasEqualTheLowRankProductsAtTheirRows) {
     cpu::lora_deltas(x.data_ptr<float>(), in + 2, in, std::span<const cpu::LoraDelta>(&all, 1));
     EXPECT_LE(max_rel_diff(y, w), 1e-5);
   });
+}
+
+// The B half of a LoRA delta, A x given: serially (a decode step's size) and in one parallel
+// region (past kLoraSerialMacs), ranks on the eight-wide path and off it, rows listed and all rows.
+TEST(CpuKernels, LoraBUpdatesAddTheScaledProductsAtTheirRows) {
+  at::manual_seed(5);
+  both_isas([] {
+    for (const std::int64_t out : {std::int64_t{37}, std::int64_t{3000}}) {  // serial, then a region
+      const std::int64_t M = 40, width = 8 + 3 + 16;
+      auto t = at::randn({M, width});
+      auto y = at::randn({M, out});
+      auto want = y.clone();
+      const std::int64_t ranks[3] = {8, 3, 16}, offs[3] = {0, 8, 11};
+      const float scales[3] = {2.0f, 0.5f, 1.25f};
+      std::vector<std::vector<std::int64_t>> rows = {{0, 5, 9, 39}, {1, 2, 17}, {}};
+      std::vector<at::Tensor> Bs;
+      std::vector<cpu::LoraBUpdate> ups;
+      for (int a = 0; a < 3; ++a) {
+        Bs.push_back(at::randn({out, ranks[a]}) * 0.25);
+        auto ta = t.narrow(1, offs[a], ranks[a]);
+        const bool all = rows[static_cast<std::size_t>(a)].empty();
+        if (all) {
+          // every row: only on the rows the others leave (updates must not share an element)
+          for (std::int64_t i = 20; i < M; ++i) rows[static_cast<std::size_t>(a)].push_back(i);
+        }
+        auto idx = at::tensor(rows[static_cast<std::size_t>(a)], at::kLong);
+        want.index_add_(0, idx, at::linear(ta.index_select(0, idx), Bs.back()) * scales[a]);
+        ups.push_back({t.data_ptr<float>() + offs[a], width, Bs.back().data_ptr<float>(), ranks[a], scales[a],
+                       rows[static_cast<std::size_t>(a)].data(), static_cast<std::int64_t>(rows[static_cast<std::size_t>(a)].size()),
+                       y.data_ptr<float>(), out, out});
+      }
+      std::int64_t macs = 0;
+      for (const auto& u : ups) macs += u.n_rows * u.out * u.r;
+      EXPECT_EQ(macs >= cpu::kLoraSerialMacs, out == 3000);
+      cpu::lora_b_updates(ups);
+      EXPECT_LE(max_rel_diff(y, want), 1e-5) << "out " << out;
+    }
+    // rows null: rows 0 .. n_rows - 1.
+    auto t = at::randn({6, 8}), B = at::randn({10, 8}), y = at::randn({6, 10});
+    auto want = y + at::linear(t, B) * 0.75;
+    cpu::LoraBUpdate u{t.data_ptr<float>(), 8, B.data_ptr<float>(), 8, 0.75f, nullptr, 6, y.data_ptr<float>(), 10, 10};
+    cpu::lora_b_updates(std::span<const cpu::LoraBUpdate>(&u, 1));
+    EXPECT_LE(max_rel_diff(y, want), 1e-5);
+  });
+}
+
+// parallel_for_cost visits every index once, in pieces cut by cost, whatever the costs (zeros,
+// one huge task, fewer tasks than threads).
+TEST(CpuKernels, CostBalancedPiecesCoverEveryIndexOnce) {
+  const std::vector<std::vector<std::int64_t>> cases = {
+      {5, 5, 5, 5}, {100, 1, 1, 1, 1, 1}, {0, 0, 7, 0, 0}, {1}, {}, {0, 0, 0}, {3, 64, 64, 8, 8, 8, 8, 64, 16}};
+  for (const auto& costs : cases) {
+    std::vector<std::atomic<int>> seen(costs.size());
+    cpu::parallel_for_cost(
+        static_cast<std::int64_t>(costs.size()), [&](std::int64_t i) { return costs[static_cast<std::size_t>(i)]; },
+        [&](std::int64_t b, std::int64_t e) {
+          for (std::int64_t i = b; i < e; ++i) seen[static_cast<std::size_t>(i)]++;
+        });
+    for (std::size_t i = 0; i < costs.size(); ++i) EXPECT_EQ(seen[i].load(), 1) << "task " << i << " of " << costs.size();
+  }
 }
 
 TEST(CpuKernels, NormRopeAndSiluEqualTheReferences) {
@@ -320,9 +381,9 @@ TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
   set_cpu_fast_paths(prev);
 }
 
-// A decode batch of 20 sequences (past the outer-product kernel's 12 rows: the projections, the LM
-// head and the 13-row LoRA part run on it), then a mixed step of 40 tokens, with two adapters and
-// base rows: equal to the libtorch path.
+// A decode batch of 20 sequences (past the outer-product kernel's 12 rows: the projections with
+// the adapters' A products, and the LM head run on it), then a mixed step of 70 tokens, with two
+// adapters and base rows: equal to the libtorch path.
 TEST(CpuDecode, ManyRowStepsOnTheGemmKernelEqualTheLibtorchPath) {
   static_assert(cpu::kGemmMinRows <= 13);
   const Qwen2Config c = tiny_config();
@@ -355,17 +416,19 @@ TEST(CpuDecode, ManyRowStepsOnTheGemmKernelEqualTheLibtorchPath) {
       out.push_back(m->logits(m->forward(db, &lora, &cache.pool(), &dm)));
       for (auto& p : past) ++p;
     }
-    // A mixed step: sequences 0-3 add chunks of 10 tokens (40 rows), adapter 0 on the first two.
-    std::vector<std::vector<std::int64_t>> chunks(4);
+    // A mixed step: sequences 0-6 add chunks of 10 tokens (70 rows: past the 64 rows up to which
+    // the A products join the base projections, so LoRA takes the gathered path), adapter 0 on
+    // the first two (20 rows, on the outer-product kernel), adapter 1 on the fourth (10 rows).
+    std::vector<std::vector<std::int64_t>> chunks(7);
     std::vector<int> row_slot;
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 7; ++i)
       for (int j = 0; j < 10; ++j) {
         chunks[static_cast<std::size_t>(i)].push_back(1 + (i * 13 + j) % 60);
-        row_slot.push_back(i < 2 ? 0 : -1);
+        row_slot.push_back(i < 2 ? 0 : (i == 3 ? 1 : -1));
       }
-    auto mb = make_batch(chunks, {past[0], past[1], past[2], past[3]}, at::kCPU);
-    auto mm = cache.plan(mb.segs, {0, 1, 2, 3});
-    auto ml = LoraBatch::from_row_slots({&a1}, row_slot, at::kCPU);
+    auto mb = make_batch(chunks, {past.begin(), past.begin() + 7}, at::kCPU);
+    auto mm = cache.plan(mb.segs, {0, 1, 2, 3, 4, 5, 6});
+    auto ml = LoraBatch::from_row_slots({&a1, &a2}, row_slot, at::kCPU);
     out.push_back(m->logits(m->forward(mb, &ml, &cache.pool(), &mm)));
     return out;
   };

@@ -1,0 +1,44 @@
+// Black-box smoke tests of `lorasync bench forward` through the real binary: the rows it reports
+// and their same-run baselines (the figures themselves are not checked: performance lives in the
+// bench, never in a timed test).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+#include "util/jsonl.h"
+#include "util/run_command.h"
+
+namespace lorasync {
+namespace {
+
+using testing::parse_jsonl;
+using testing::run_lorasync;
+
+TEST(BenchCli, ForwardReportsTheMixedAdapterDecodeAgainstTheBaseModel) {
+  auto r = run_lorasync(
+      "bench forward --presets tiny --threads 2 --prompt-tokens 16 --prefill-batch 2 --decode-batches 3,7 "
+      "--context 8 --decode-steps 2 --repeats 1 --paths fast --adapters 2");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  int mixed = 0;
+  for (const auto& rec : parse_jsonl(r.out)) {
+    EXPECT_EQ(rec["bench"], "forward");
+    EXPECT_GT(rec["value"].get<double>(), 0) << rec.dump();
+    if (rec["metric"] != "decode_tokens_per_s_adapters") continue;
+    ++mixed;
+    EXPECT_EQ(rec["config"]["adapters"], 2);
+    EXPECT_EQ(rec["config"]["rank"], 8);
+    EXPECT_GT(rec["baseline"].get<double>(), 0);
+    EXPECT_GT(rec["ratio"].get<double>(), 0);
+  }
+  EXPECT_EQ(mixed, 2);  // one per decode batch
+  // --adapters 0: no mixed rows.
+  auto none = run_lorasync("bench forward --presets tiny --threads 1 --decode-batches 2 --context 4 --decode-steps 1 "
+                           "--repeats 1 --paths fast --adapters 0 --prompt-tokens 8 --prefill-batch 1");
+  ASSERT_EQ(none.exit_code, 0) << none.err;
+  for (const auto& rec : parse_jsonl(none.out)) EXPECT_NE(rec["metric"], "decode_tokens_per_s_adapters");
+}
+
+}  // namespace
+}  // namespace lorasync
