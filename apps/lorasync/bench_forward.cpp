@@ -6,9 +6,9 @@
 //  - decode: batch b sequences with `context` cached tokens, `decode_steps` steps of one token each
 //    through the batched decode path, LM head included; on CPU our decode kernels against the
 //    libtorch path of the same maths (model::set_cpu_fast_paths) in the same run;
-//  - decode with adapters (--adapters N, fast path): the same steps with N resident rank-8
-//    all-linear adapters, the rows dealt round-robin to them (as a server's mixed batch), against
-//    the base-model decode of the same run;
+//  - prefill and decode with adapters (--adapters N, fast path): the same steps with N resident
+//    rank-8 all-linear adapters, prompts or decode rows dealt round-robin to them (as a server's
+//    mixed batch), timed alternately with the base model (best of each);
 //  - sample: one sampler call over [b, vocab] logits (temperature 1, the logprob of the drawn
 //    token), ours against the libtorch expression.
 // bench/llamacpp_compare.py runs this next to llama.cpp on a GGUF conversion of the same weights.
@@ -145,6 +145,27 @@ int run(const BenchForwardOptions& o) {
       }
       rep.emit({"forward", "prefill_tokens_per_s", n_tok / s, "tokens/s", ref_prefill, c});
       rep.emit({"forward", "prefill_gflops", flops / s / 1e9, "GFLOP/s", peak, c});
+      if (adapters.empty()) continue;
+      // Prompt i on adapter i % N, alternating with the base model (best of each, as for decode).
+      std::vector<const model::LoraAdapter*> slots;
+      for (const auto& a : adapters) slots.push_back(&a);
+      std::vector<int> row_slot;
+      for (std::int64_t i = 0; i < o.prefill_batch; ++i)
+        for (std::int64_t t = 0; t < o.prompt_tokens; ++t)
+          row_slot.push_back(static_cast<int>(i % static_cast<std::int64_t>(slots.size())));
+      auto lora = model::LoraBatch::from_row_slots(slots, row_slot, device);
+      double ms = 1e30, bs = s;
+      const bool prev2 = model::set_cpu_fast_paths(true);
+      for (int r = 0; r < o.repeats; ++r) {
+        ms = std::min(ms, seconds_of([&] { (void)m->logits(m->forward(batch, &lora, &pcache.pool(), &pmeta).index_select(0, rows)); },
+                                     device, 1));
+        bs = std::min(bs, seconds_of([&] { (void)m->logits(m->forward(batch, nullptr, &pcache.pool(), &pmeta).index_select(0, rows)); },
+                                     device, 1));
+      }
+      model::set_cpu_fast_paths(prev2);
+      c["adapters"] = adapters.size();
+      c["rank"] = 8;
+      rep.emit({"forward", "prefill_tokens_per_s_adapters", n_tok / ms, "tokens/s", n_tok / bs, c});
     }
 
     // Decode at several batch sizes.

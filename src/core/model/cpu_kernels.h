@@ -82,8 +82,10 @@ struct LoraDelta {
 
 // Every delta of a batch's adapters on the outputs that share x [*, in] (row stride ldx), in two
 // parallel regions whatever the number of adapters and modules: (A x) * scale for every (delta,
-// block of rows), then the B products as chained multiply-adds into y for every (delta, block of
-// outputs). Deltas must not write the same element of y (adapters own disjoint rows).
+// block of rows; an adapter with kGemmMinRows rows or more gathered onto linear()), then the B
+// products into y for every (delta, block of outputs): B read in place for a few rows, transposed
+// and four rows at a time for more. Deltas must not write the same element of y (adapters own
+// disjoint rows).
 void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<const LoraDelta> deltas);
 
 // One adapter's B product on one module's output, its A product already computed for its rows:

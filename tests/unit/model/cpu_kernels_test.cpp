@@ -101,7 +101,8 @@ TEST(CpuKernels, LoraDeltasEqualTheLowRankProductsAtTheirRows) {
     const std::int64_t M = 23, in = 37;
     auto x = at::randn({M, in + 2}).narrow(1, 0, in);  // row stride in + 2
     const std::int64_t outs[2] = {300, 5};
-    // 13 rows (the gathered outer-product path), 3 and 1 (the per-row-block tasks).
+    // 13 rows (the gathered outer-product path for A; B transposed, four rows at a time and a
+    // tail), 3 and 1 (the per-row-block tasks; B read in place at rank 16, transposed at rank 1).
     std::vector<std::vector<std::int64_t>> rows = {{0, 4, 5, 9, 10, 11, 12, 13, 14, 15, 16, 20, 22}, {1, 2, 21}, {3}};
     const std::int64_t ranks[3] = {8, 1, 16};
     const float scales[3] = {2.0f, 0.5f, 1.25f};
