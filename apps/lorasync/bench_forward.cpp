@@ -64,6 +64,33 @@ double seconds_of(const std::function<void()>& f, c10::Device device, int repeat
   return best;
 }
 
+// The mixed-adapter timing against the base model's: `pairs` pairs (at least 5) of adjacent
+// timings, the order swapped every pair so a drift hurts both sides alike; returns the best of each
+// (the base's including `base_best`, timed before) and records the median of the pairs' ratios
+// (base time / mixed time) in cfg["pair_ratio_median"]: on the 2-core VM the base decode alone
+// moved by 25% from one timing to the next, and the median of adjacent pairs is the steadier figure.
+std::pair<double, double> alternate(const std::function<double(bool)>& time_one, double base_best, int pairs,
+                                    nlohmann::json& cfg) {
+  double mixed_best = 1e30;
+  std::vector<double> ratios;
+  for (int r = 0; r < std::max(5, pairs); ++r) {
+    double t_mixed = 0, t_base = 0;
+    if (r % 2 == 0) {
+      t_mixed = time_one(true);
+      t_base = time_one(false);
+    } else {
+      t_base = time_one(false);
+      t_mixed = time_one(true);
+    }
+    mixed_best = std::min(mixed_best, t_mixed);
+    base_best = std::min(base_best, t_base);
+    ratios.push_back(t_base / t_mixed);
+  }
+  cfg["pairs"] = ratios.size();
+  cfg["pair_ratio_median"] = percentile(ratios, 50);
+  return {mixed_best, base_best};
+}
+
 // --paths, the reference first (it is the baseline of the fast path's figures).
 std::vector<std::string> parse_paths(const std::string& list) {
   std::vector<std::string> paths;
@@ -154,14 +181,14 @@ int run(const BenchForwardOptions& o) {
         for (std::int64_t t = 0; t < o.prompt_tokens; ++t)
           row_slot.push_back(static_cast<int>(i % static_cast<std::int64_t>(slots.size())));
       auto lora = model::LoraBatch::from_row_slots(slots, row_slot, device);
-      double ms = 1e30, bs = s;
       const bool prev2 = model::set_cpu_fast_paths(true);
-      for (int r = 0; r < o.repeats; ++r) {
-        ms = std::min(ms, seconds_of([&] { (void)m->logits(m->forward(batch, &lora, &pcache.pool(), &pmeta).index_select(0, rows)); },
-                                     device, 1));
-        bs = std::min(bs, seconds_of([&] { (void)m->logits(m->forward(batch, nullptr, &pcache.pool(), &pmeta).index_select(0, rows)); },
-                                     device, 1));
-      }
+      const auto [ms, bs] = alternate(
+          [&](bool mixed) {
+            return seconds_of(
+                [&] { (void)m->logits(m->forward(batch, mixed ? &lora : nullptr, &pcache.pool(), &pmeta).index_select(0, rows)); },
+                device, 1);
+          },
+          s, o.repeats, c);
       model::set_cpu_fast_paths(prev2);
       c["adapters"] = adapters.size();
       c["rank"] = 8;
@@ -170,9 +197,9 @@ int run(const BenchForwardOptions& o) {
 
     // Decode at several batch sizes.
     for (auto b : parse_int_list(o.decode_batches, "--decode-batches")) {
-      // Each timing (reference, fast, and with --adapters the mixed and the base again) runs 1 +
-      // repeats times decode_steps tokens on the same cache, so later ones see longer contexts.
-      const std::int64_t cap = o.context + o.decode_steps * (6 * o.repeats + 2) + 1;
+      // Every timing runs decode_steps tokens on the same cache, so later ones see longer contexts:
+      // (1 + repeats) for each path, 2 x max(5, repeats) pairs for --adapters, each with a warm-up.
+      const std::int64_t cap = o.context + o.decode_steps * 2 * (o.repeats + 1 + 2 * std::max(5, o.repeats)) + 1;
       model::ContiguousKvCache cache(cfg, b, cap, dtype, device);
       std::vector<std::vector<std::int64_t>> ctx(static_cast<std::size_t>(b));
       std::vector<std::int64_t> ids;
@@ -253,15 +280,15 @@ int run(const BenchForwardOptions& o) {
           // its best: the machine's pace drifts between timings (on the 2-core VM the base decode
           // alone moved by 25% within one run), and alternating exposes both sides to it alike.
           const bool prev2 = model::set_cpu_fast_paths(true);
-          double ms = 1e30, bs2 = ds;
-          for (int r = 0; r < o.repeats; ++r) {
-            with_adapters = true;
-            ms = std::min(ms, seconds_of(step_all, device, 1));
-            with_adapters = false;
-            bs2 = std::min(bs2, seconds_of(step_all, device, 1));
-          }
-          model::set_cpu_fast_paths(prev2);
           auto ac = pc;
+          const auto [ms, bs2] = alternate(
+              [&](bool mixed) {
+                with_adapters = mixed;
+                return seconds_of(step_all, device, 1);
+              },
+              ds, o.repeats, ac);
+          with_adapters = false;
+          model::set_cpu_fast_paths(prev2);
           ac["adapters"] = adapters.size();
           ac["rank"] = 8;
           rep.emit({"forward", "decode_tokens_per_s_adapters", toks / ms, "tokens/s", toks / bs2, ac});

@@ -21,18 +21,22 @@ TEST(BenchCli, ForwardReportsTheMixedAdapterDecodeAgainstTheBaseModel) {
       "bench forward --presets tiny --threads 2 --prompt-tokens 16 --prefill-batch 2 --decode-batches 3,7 "
       "--context 8 --decode-steps 2 --repeats 1 --paths fast --adapters 2");
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  int mixed = 0;
+  int mixed_decode = 0, mixed_prefill = 0;
   for (const auto& rec : parse_jsonl(r.out)) {
     EXPECT_EQ(rec["bench"], "forward");
     EXPECT_GT(rec["value"].get<double>(), 0) << rec.dump();
-    if (rec["metric"] != "decode_tokens_per_s_adapters") continue;
-    ++mixed;
+    const bool decode = rec["metric"] == "decode_tokens_per_s_adapters";
+    if (!decode && rec["metric"] != "prefill_tokens_per_s_adapters") continue;
+    (decode ? mixed_decode : mixed_prefill)++;
     EXPECT_EQ(rec["config"]["adapters"], 2);
     EXPECT_EQ(rec["config"]["rank"], 8);
     EXPECT_GT(rec["baseline"].get<double>(), 0);
     EXPECT_GT(rec["ratio"].get<double>(), 0);
+    EXPECT_EQ(rec["config"]["pairs"], 5);  // at least 5 pairs, whatever --repeats
+    EXPECT_GT(rec["config"]["pair_ratio_median"].get<double>(), 0);
   }
-  EXPECT_EQ(mixed, 2);  // one per decode batch
+  EXPECT_EQ(mixed_decode, 2);  // one per decode batch
+  EXPECT_EQ(mixed_prefill, 1);
   // --adapters 0: no mixed rows.
   auto none = run_lorasync("bench forward --presets tiny --threads 1 --decode-batches 2 --context 4 --decode-steps 1 "
                            "--repeats 1 --paths fast --adapters 0 --prompt-tokens 8 --prefill-batch 1");
