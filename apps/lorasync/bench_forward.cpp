@@ -73,15 +73,7 @@ std::pair<double, double> alternate(const std::function<double(bool)>& time_one,
                                     nlohmann::json& cfg) {
   double mixed_best = 1e30;
   std::vector<double> ratios;
-  for (int r = 0; r < std::max(5, pairs); ++r) {
-    double t_mixed = 0, t_base = 0;
-    if (r % 2 == 0) {
-      t_mixed = time_one(true);
-      t_base = time_one(false);
-    } else {
-      t_base = time_one(false);
-      t_mixed = time_one(true);
-    }
+  for (const auto& [t_mixed, t_base] : alternate_pairs(std::max(5, pairs), time_one)) {
     mixed_best = std::min(mixed_best, t_mixed);
     base_best = std::min(base_best, t_base);
     ratios.push_back(t_base / t_mixed);

@@ -341,18 +341,8 @@ int run(const BenchServeOptions& o) {
     (mixed ? mixed_best : base_best) = std::max(mixed ? mixed_best : base_best, lr.tokens_per_s);
     return lr.tokens_per_s;
   };
-  for (int round = 0; round < o.adapter_rounds; ++round) {
-    // The order swaps every round, so a drift of the machine's pace hurts both sides alike.
-    double base_tps = 0, mixed_tps = 0;
-    if (round % 2 == 0) {
-      base_tps = one_run(false);
-      mixed_tps = one_run(true);
-    } else {
-      mixed_tps = one_run(true);
-      base_tps = one_run(false);
-    }
+  for (const auto& [mixed_tps, base_tps] : alternate_pairs(o.adapter_rounds, one_run))
     pair_ratios.push_back(mixed_tps / base_tps);
-  }
   json cj = {{"concurrency", conc}, {"adapters", 5}, {"rank", 8}, {"rounds", o.adapter_rounds}, {"failed", failed},
              {"pair_ratio_median", percentile(pair_ratios, 50)}};
   rep.emit({"serve", "five_adapters_tokens_per_s", mixed_best, "tokens/s", base_best, cj});

@@ -57,4 +57,20 @@ double percentile(std::vector<double> s, double p) {
   return s[lo] * (1 - frac) + s[hi] * frac;
 }
 
+std::vector<std::pair<double, double>> alternate_pairs(int n, const std::function<double(bool)>& run) {
+  std::vector<std::pair<double, double>> out;
+  for (int r = 0; r < n; ++r) {
+    double candidate = 0, baseline = 0;
+    if (r % 2 == 0) {
+      candidate = run(true);
+      baseline = run(false);
+    } else {
+      baseline = run(false);
+      candidate = run(true);
+    }
+    out.emplace_back(candidate, baseline);
+  }
+  return out;
+}
+
 }  // namespace lorasync

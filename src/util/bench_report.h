@@ -10,8 +10,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lorasync {
@@ -42,5 +44,10 @@ double now_seconds();
 
 // Percentile (0..100) of unsorted samples, linear interpolation; 0 for an empty set.
 double percentile(std::vector<double> samples, double p);
+
+// `n` pairs of adjacent runs of a candidate (run(true)) and its baseline (run(false)), the order
+// swapped every pair so that a drift of the machine's pace hurts both alike: {candidate, baseline}
+// per pair, for best-of-each figures and the median of the pairs' ratios.
+std::vector<std::pair<double, double>> alternate_pairs(int n, const std::function<double(bool)>& run);
 
 }  // namespace lorasync

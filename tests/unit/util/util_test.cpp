@@ -71,6 +71,26 @@ TEST(Bench, Percentile) {
   EXPECT_DOUBLE_EQ(percentile({}, 99), 0);
 }
 
+// Pairs of adjacent runs, the order swapped every pair; each value lands on its own side.
+TEST(Bench, AlternatePairsSwapTheOrderEveryPair) {
+  std::string order;
+  int calls = 0;
+  auto pairs = alternate_pairs(4, [&](bool candidate) {
+    order += candidate ? 'c' : 'b';
+    ++calls;
+    return candidate ? 100.0 + calls : static_cast<double>(calls);
+  });
+  EXPECT_EQ(order, "cbbccbbc");
+  ASSERT_EQ(pairs.size(), 4u);
+  for (const auto& [c, b] : pairs) {
+    EXPECT_GT(c, 100);
+    EXPECT_LT(b, 100);
+  }
+  EXPECT_DOUBLE_EQ(pairs[0].first, 101);
+  EXPECT_DOUBLE_EQ(pairs[1].second, 3);
+  EXPECT_TRUE(alternate_pairs(0, [](bool) { return 1.0; }).empty());
+}
+
 // The depth scan of untrusted JSON: brackets inside strings (escaped quotes too) do not count,
 // counting stops past the limit, and random bracket strings agree with a direct count.
 TEST(JsonLimits, NestingDepthIgnoresStringsAndStopsAtTheLimit) {
