@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <csignal>
 #include <fstream>
 #include <string>
 
@@ -21,6 +22,11 @@ void configure_process() {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
+  // A write to a socket whose peer is gone fails with EPIPE instead of killing the process. The
+  // sockets of libraries we do not control (c10d's store, Gloo) send without MSG_NOSIGNAL: a
+  // data-parallel rank whose peer was killed died of SIGPIPE before it could report the peer and
+  // write its checkpoint.
+  std::signal(SIGPIPE, SIG_IGN);
   rlimit rl{};
   if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
     rl.rlim_cur = std::min<rlim_t>(rl.rlim_max, 1 << 20);
