@@ -64,6 +64,17 @@ double seconds_of(const std::function<void()>& f, c10::Device device, int repeat
   return best;
 }
 
+// The run's memory roofline: a copy of 1 GiB on a device (256 MiB on the CPU), bytes read plus
+// bytes written over its best time. Decode at batch 1 streams the weights once per token, so its
+// weight stream over this is the share of the memory bound it reaches.
+double copy_gb_per_s(c10::Device device) {
+  const std::int64_t bytes = (device.is_cpu() ? std::int64_t{256} : std::int64_t{1024}) << 20;
+  auto src = at::ones({bytes / 4}, at::TensorOptions().dtype(at::kFloat).device(device));
+  auto dst = at::empty_like(src);
+  const double s = seconds_of([&] { dst.copy_(src); }, device, 5);
+  return 2.0 * static_cast<double>(bytes) / s / 1e9;
+}
+
 // The mixed-adapter timing against the base model's: `pairs` pairs (at least 5) of adjacent
 // timings, the order swapped every pair so a drift hurts both sides alike; returns the best of each
 // (the base's including `base_best`, timed before) and records the median of the pairs' ratios
@@ -104,6 +115,8 @@ int run(const BenchForwardOptions& o) {
   nlohmann::json env = {{"dtype", model::dtype_name(dtype)}, {"device", device.str()},
                         {"threads", model::compute_threads()}};
   rep.emit({"forward", "gemm_peak_gflops", peak, "GFLOP/s", std::nullopt, env});
+  const double copy_bw = copy_gb_per_s(device);
+  rep.emit({"forward", "copy_gb_per_s", copy_bw, "GB/s", std::nullopt, env});
   at::NoGradGuard ng;
   for (const auto& pname : split(o.presets, ',')) {
     const std::string preset(trim(pname));
@@ -264,7 +277,7 @@ int run(const BenchForwardOptions& o) {
         rep.emit({"forward", "decode_gflops", dflops / ds / 1e9, "GFLOP/s", peak, pc});
         const double weight_bytes = static_cast<double>(cfg.n_params()) * static_cast<double>(at::elementSize(dtype));
         rep.emit({"forward", "decode_weight_stream_gb_per_s", weight_bytes * static_cast<double>(o.decode_steps) / ds / 1e9,
-                  "GB/s", std::nullopt, pc});
+                  "GB/s", copy_bw, pc});
         if (device.is_cpu())
           rep.emit({"forward", "sample_calls_per_s", 1.0 / ss, "calls/s", ref_sample, pc});
         if (!adapters.empty()) {

@@ -548,17 +548,22 @@ struct Engine::Impl {
     batch.tokens = at::tensor(toks, lopt).to(dev);
     batch.positions = at::tensor(pos, lopt).to(dev);
     meta.slot_mapping = at::tensor(slot_map, lopt).to(dev);
-    if (all_decode && sched.size() > 1) {
+    if (all_decode && (sched.size() > 1 || dev.is_cuda())) {
+      // The padded decode table (on CUDA at batch 1 too: the paged decode kernel reads it).
       const auto B = static_cast<std::int64_t>(sched.size());
-      std::vector<std::int64_t> flat(static_cast<std::size_t>(B * lmax), 0);
+      std::vector<std::int64_t> flat(static_cast<std::size_t>(B * lmax), 0), lens;
       std::vector<float> bias(static_cast<std::size_t>(B * lmax), -std::numeric_limits<float>::infinity());
-      for (std::int64_t b = 0; b < B; ++b)
-        for (std::size_t p = 0; p < ctx[static_cast<std::size_t>(b)].size(); ++p) {
-          flat[static_cast<std::size_t>(b * lmax) + p] = ctx[static_cast<std::size_t>(b)][p];
+      for (std::int64_t b = 0; b < B; ++b) {
+        const auto& c = ctx[static_cast<std::size_t>(b)];
+        for (std::size_t p = 0; p < c.size(); ++p) {
+          flat[static_cast<std::size_t>(b * lmax) + p] = c[p];
           bias[static_cast<std::size_t>(b * lmax) + p] = 0;
         }
+        lens.push_back(static_cast<std::int64_t>(c.size()));
+      }
       meta.decode_slots = at::tensor(flat, lopt).view({B, lmax}).to(dev);
       meta.decode_bias = at::tensor(bias, at::TensorOptions().dtype(at::kFloat)).view({B, lmax}).to(dev);
+      meta.decode_lens = at::tensor(lens, lopt).to(dev);
     } else {
       for (std::size_t i = 0; i < sched.size(); ++i)
         meta.context_slots.push_back(sched[i].seq->n_computed > 0 ? at::tensor(ctx[i], lopt).to(dev) : at::Tensor());

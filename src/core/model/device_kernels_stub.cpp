@@ -11,6 +11,18 @@ namespace cuda {
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) {
   throw_unsupported("cuda::rms_norm: this build has no CUDA kernels (configure the cuda preset)");
 }
+bool paged_decode_attention_fits(const at::Tensor&, const at::Tensor&) { return false; }
+at::Tensor paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&) {
+  throw_unsupported("cuda::paged_decode_attention: this build has no CUDA kernels (configure the cuda preset)");
+}
+bool lora_tiles_fit(const at::Tensor&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&) {
+  return false;
+}
+void lora_apply_tiles(const at::Tensor&, at::Tensor&, const at::Tensor&, const std::vector<at::Tensor>&,
+                      const std::vector<at::Tensor>&, const std::vector<double>&) {
+  throw_unsupported("cuda::lora_apply_tiles: this build has no CUDA kernels (configure the cuda preset)");
+}
 }  // namespace cuda
 
 }  // namespace lorasync::model

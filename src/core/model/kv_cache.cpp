@@ -66,8 +66,11 @@ AttnMeta ContiguousKvCache::plan(const std::vector<Segment>& segs,
       idx[b].narrow(0, 0, n).copy_(meta.context_slots[static_cast<std::size_t>(b)].cpu());
       bias[b].narrow(0, 0, n).zero_();
     }
+    std::vector<std::int64_t> lens;
+    for (const auto& c : meta.context_slots) lens.push_back(c.size(0));
     meta.decode_slots = idx.to(device_);
     meta.decode_bias = bias.to(device_);
+    meta.decode_lens = at::tensor(lens, at::TensorOptions().dtype(at::kLong)).to(device_);
   }
   return meta;
 }

@@ -41,6 +41,7 @@ struct AttnMeta {
   // Optional batched decode, when every segment has len 1 (B = number of segments):
   at::Tensor decode_slots;  // int64 [B, Lmax], padded with slot 0
   at::Tensor decode_bias;   // float [B, Lmax]: 0 for real keys, -inf for padding
+  at::Tensor decode_lens;   // int64 [B]: real keys of each row (the device kernel reads these)
 };
 
 // A simple cache for a fixed set of sequences, each owning `capacity` consecutive slots.

@@ -4,11 +4,16 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <set>
 
 #include "core/io/safetensors.h"
+#include "core/model/device_kernels.h"
 #include "util/error.h"
 #include "util/files.h"
 
@@ -200,22 +205,56 @@ LoraBatch LoraBatch::all(const LoraAdapter* adapter) {
   return b;
 }
 
+namespace {
+std::atomic<bool> g_batched_lora_kernel{true};
+}
+
+bool set_batched_lora_kernel(bool on) { return g_batched_lora_kernel.exchange(on); }
+
 LoraBatch LoraBatch::from_row_slots(const std::vector<const LoraAdapter*>& adapters,
                                     const std::vector<int>& slot_of_row, c10::Device device) {
   LoraBatch b;
   std::map<int, std::vector<std::int64_t>> rows;
   for (std::size_t r = 0; r < slot_of_row.size(); ++r)
     if (slot_of_row[r] >= 0) rows[slot_of_row[r]].push_back(static_cast<std::int64_t>(r));
+  std::vector<int> part_of_row(slot_of_row.size(), -1);
   for (auto& [slot, idx] : rows) {
     const LoraAdapter* a = adapters.at(static_cast<std::size_t>(slot));
     if (a == nullptr) continue;
+    for (auto r : idx) part_of_row[static_cast<std::size_t>(r)] = static_cast<int>(b.parts_.size());
     if (idx.size() == slot_of_row.size()) {
       b.parts_.push_back({a, at::Tensor()});
     } else {
       b.parts_.push_back({a, at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(device)});
     }
   }
+  b.rows_ = static_cast<std::int64_t>(slot_of_row.size());
+  bool fits = device.is_cuda() && g_batched_lora_kernel.load() && have_cuda_kernels() && !b.parts_.empty() &&
+              b.parts_.size() <= static_cast<std::size_t>(cuda::kLoraKernelMaxAdapters);
+  for (const auto& p : b.parts_) fits = fits && p.adapter->config().rank <= cuda::kLoraKernelMaxRank;
+  if (fits) {
+    auto t = lora_tiles(part_of_row, cuda::kLoraKernelTileRows);
+    b.tiles_ = at::tensor(t, at::TensorOptions().dtype(at::kInt))
+                   .view({-1, 2 + cuda::kLoraKernelTileRows})
+                   .to(device);
+  }
   return b;
+}
+
+std::vector<int> lora_tiles(const std::vector<int>& part_of_row, int tile_rows) {
+  std::map<int, std::vector<int>> rows;
+  for (std::size_t r = 0; r < part_of_row.size(); ++r)
+    if (part_of_row[r] >= 0) rows[part_of_row[r]].push_back(static_cast<int>(r));
+  std::vector<int> out;
+  for (const auto& [part, idx] : rows)
+    for (std::size_t i = 0; i < idx.size(); i += static_cast<std::size_t>(tile_rows)) {
+      const auto n = std::min(idx.size() - i, static_cast<std::size_t>(tile_rows));
+      out.push_back(part);
+      out.push_back(static_cast<int>(n));
+      for (std::size_t k = 0; k < static_cast<std::size_t>(tile_rows); ++k)
+        out.push_back(k < n ? idx[i + k] : 0);
+    }
+  return out;
 }
 
 std::vector<at::Tensor> LoraBatch::parameters(std::int64_t layer) const {
@@ -230,8 +269,28 @@ std::vector<at::Tensor> LoraBatch::parameters(std::int64_t layer) const {
   return out;
 }
 
+bool LoraBatch::apply_batched(const at::Tensor& x, at::Tensor& y, std::int64_t layer, LoraModule m) const {
+  if (!tiles_.defined() || !x.is_cuda() || x.dim() != 2 || x.size(0) != rows_ ||
+      (c10::GradMode::is_enabled() && x.requires_grad()))
+    return false;
+  std::vector<at::Tensor> A, B;
+  std::vector<double> scales;
+  for (const auto& p : parts_) {
+    const bool on = p.adapter->config().targets_module(m);
+    A.push_back(on ? p.adapter->A(layer, m) : at::Tensor());
+    B.push_back(on ? p.adapter->B(layer, m) : at::Tensor());
+    scales.push_back(p.adapter->config().scaling());
+    if (on && c10::GradMode::is_enabled() && (A.back().requires_grad() || B.back().requires_grad())) return false;
+  }
+  if (!cuda::lora_tiles_fit(x, A, B)) return false;
+  if (!y.is_contiguous()) y = y.contiguous();
+  cuda::lora_apply_tiles(x, y, tiles_, A, B, scales);
+  return true;
+}
+
 at::Tensor LoraBatch::apply(const at::Tensor& x, at::Tensor y, std::int64_t layer,
                             LoraModule m) const {
+  if (apply_batched(x, y, layer, m)) return y;
   for (const auto& p : parts_) {
     if (!p.adapter->config().targets_module(m)) continue;
     const auto& A = p.adapter->A(layer, m);

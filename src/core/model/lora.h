@@ -12,7 +12,9 @@
 // every shape against the base model, with errors naming the key and the shapes.
 //
 // LoraBatch: which rows of a flat token batch use which adapter (none = base model). One forward
-// applies every adapter of the batch: per adapter, gather its rows, two thin GEMMs, scatter-add.
+// applies every adapter of the batch: per adapter, gather its rows, two thin GEMMs, scatter-add;
+// on CUDA without gradients, with our kernels, one launch per projection for every adapter (rows
+// grouped in tiles of one adapter, lora_tiles).
 //
 // Thread-safety: a LoraAdapter is a value; concurrent reads are safe, writes need ownership.
 #pragma once
@@ -98,9 +100,24 @@ class LoraBatch {
   std::vector<at::Tensor> parameters(std::int64_t layer) const;
   // y + the LoRA deltas of every adapter that targets `m` at `layer`, for input x [T, in].
   at::Tensor apply(const at::Tensor& x, at::Tensor y, std::int64_t layer, LoraModule m) const;
+  // Whether apply runs the batched CUDA kernel (a from_row_slots batch on a CUDA device, with the
+  // kernels, at most 32 adapters of rank <= 64).
+  bool batched_kernel() const { return tiles_.defined(); }
 
  private:
+  bool apply_batched(const at::Tensor& x, at::Tensor& y, std::int64_t layer, LoraModule m) const;
   std::vector<LoraRows> parts_;
+  at::Tensor tiles_;  // int32 [n_tiles, 2 + tile_rows] on the device (lora_tiles), parts_ order
+  std::int64_t rows_ = 0;
 };
+
+// Whether from_row_slots may use the batched CUDA kernel (default true); process-wide, returns the
+// previous setting (the tests and benches time both paths).
+bool set_batched_lora_kernel(bool on);
+
+// Rows grouped by adapter for the batched kernel: part_of_row[r] is the index of row r's adapter
+// (-1: none). Returns a flat [n_tiles, 2 + tile_rows] table: (part, count, rows..., zero padding),
+// each tile up to tile_rows rows of one part, parts in increasing order, rows ascending.
+std::vector<int> lora_tiles(const std::vector<int>& part_of_row, int tile_rows);
 
 }  // namespace lorasync::model

@@ -168,6 +168,30 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out.squeeze(0).transpose(0, 1).reshape({L, nh * hd});  // [L, nh*hd]
 }
 
+at::Tensor paged_decode_attention_reference(const at::Tensor& q, const at::Tensor& k_pool,
+                                            const at::Tensor& v_pool, const at::Tensor& slots,
+                                            const at::Tensor& bias) {
+  const auto B = slots.size(0), Lmax = slots.size(1), nh = q.size(1), hd = q.size(2);
+  const auto nkv = k_pool.size(1), g = nh / nkv;
+  auto flat = slots.reshape({-1});
+  auto K = k_pool.index_select(0, flat).view({B, Lmax, nkv, hd}).permute({0, 2, 1, 3}).unsqueeze(2);
+  auto V = v_pool.index_select(0, flat).view({B, Lmax, nkv, hd}).permute({0, 2, 1, 3}).unsqueeze(2);
+  auto qh = q.reshape({B, nkv, g, 1, hd});
+  auto scores = at::matmul(qh, K.transpose(-1, -2)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  scores = scores + bias.view({B, 1, 1, 1, Lmax}).to(scores.scalar_type());
+  auto probs = at::softmax(scores, -1, acc_type(q)).to(q.scalar_type());
+  return at::matmul(probs, V).reshape({B, nh * hd});  // [B, nkv, g, 1, hd] -> [B, nh*hd]
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& slots, const at::Tensor& bias, const at::Tensor& lens) {
+  if (q.is_cuda() && lens.defined() && have_cuda_kernels() &&
+      !(c10::GradMode::is_enabled() && q.requires_grad()) &&
+      cuda::paged_decode_attention_fits(q, k_pool))
+    return cuda::paged_decode_attention(q, k_pool, v_pool, slots, lens);
+  return paged_decode_attention_reference(q, k_pool, v_pool, slots, bias);
+}
+
 namespace {
 std::atomic<bool> g_varlen_attention{true};
 }
@@ -309,16 +333,8 @@ at::Tensor Qwen2Model::attention(std::int64_t l, const at::Tensor& x, const Batc
     kp.index_copy_(0, meta->slot_mapping, k);
     vp.index_copy_(0, meta->slot_mapping, v);
     if (meta->decode_slots.defined()) {
-      // Pure decode: one padded batched attention over B sequences.
-      const auto B = meta->decode_slots.size(0), Lmax = meta->decode_slots.size(1), g = nh / nkv;
-      auto flat = meta->decode_slots.reshape({-1});
-      auto K = kp.index_select(0, flat).view({B, Lmax, nkv, hd}).permute({0, 2, 1, 3}).unsqueeze(2);
-      auto Vv = vp.index_select(0, flat).view({B, Lmax, nkv, hd}).permute({0, 2, 1, 3}).unsqueeze(2);
-      auto qh = q.view({B, nkv, g, 1, hd});
-      auto scores = at::matmul(qh, K.transpose(-1, -2)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-      scores = scores + meta->decode_bias.view({B, 1, 1, 1, Lmax}).to(scores.scalar_type());
-      auto probs = at::softmax(scores, -1, acc_type(q)).to(q.scalar_type());
-      out = at::matmul(probs, Vv).reshape({B, nh * hd});  // [B, nkv, g, 1, hd] -> [B, nh*hd]
+      // Pure decode: every sequence's one query against its keys in the pool.
+      out = paged_decode_attention(q, kp, vp, meta->decode_slots, meta->decode_bias, meta->decode_lens);
     } else {
       std::vector<at::Tensor> parts;
       parts.reserve(batch.segs.size());

@@ -157,6 +157,16 @@ at::Tensor segment_attention_reference(const at::Tensor& q, const at::Tensor& k,
 at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<Segment>& segs);
 bool set_varlen_attention(bool on);
+// Decode attention (one query token per sequence) over the paged KV pool: q [B, nh, hd], k/v pools
+// [n_slots, nkv, hd]; sequence b attends to slots[b][0 .. lens[b]) of slots int64 [B, Lmax], whose
+// padding bias [B, Lmax] is 0 for those and -inf past them. Returns [B, nh * hd]. On CUDA our
+// kernel reads the pool in place where the build has it and the shapes fit (lens defined); the
+// reference gathers each sequence's keys and values into a padded block and runs two matmuls.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& slots, const at::Tensor& bias, const at::Tensor& lens);
+at::Tensor paged_decode_attention_reference(const at::Tensor& q, const at::Tensor& k_pool,
+                                            const at::Tensor& v_pool, const at::Tensor& slots,
+                                            const at::Tensor& bias);
 
 // Random weights with Hugging Face names, N(0, std) for matrices, biases and norm weights
 // perturbed around their defaults, generated on CPU from `seed` and stored in `dtype`.

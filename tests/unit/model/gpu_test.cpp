@@ -3,6 +3,9 @@
 // with its reference, the plain libtorch expression on the CPU in fp32:
 //   - our fused RMSNorm kernel (the cuda preset) in fp32, bf16 and fp16 against rms_norm_reference;
 //   - fused attention on CUDA (flash / memory-efficient) against segment_attention_reference;
+//   - our paged decode attention kernel against the gathered reference (and its time);
+//   - our batched LoRA kernel against the per-adapter path (and its time), and a mixed-adapter
+//     decode with a KV cache on CUDA against the CPU;
 //   - the packed row's varlen flash attention against the per-segment path, with gradients;
 //   - a whole random model: bf16 and fp32 logits on CUDA against fp32 on the CPU, with and without
 //     a LoRA adapter, and the trainer's packed logprobs with their gradient.
@@ -11,9 +14,17 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <functional>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "core/model/device_kernels.h"
+#include "core/model/kv_cache.h"
 #include "core/model/logprobs.h"
 #include "core/model/lora.h"
 #include "core/model/qwen2_model.h"
@@ -93,6 +104,231 @@ TEST(Gpu, VarlenFlashAttentionEqualsPerSegmentWithGradients) {
     const double diff = max_abs_diff(a[i], b[i]);
     EXPECT_LE(diff, 0.03 * scale + 0.03) << names[i];
     std::printf("gpu: varlen attention %s max |diff| %.3g (max |x| %.3g)\n", names[i], diff, scale);
+  }
+}
+
+// A decode batch over a pool whose slots are dealt to the sequences at random (slot tables as the
+// engine builds them: padded with slot 0, bias -inf past each length).
+struct PagedCase {
+  at::Tensor q, kp, vp, slots, bias, lens;
+};
+
+PagedCase paged_case(std::int64_t B, std::int64_t nh, std::int64_t nkv, std::int64_t hd,
+                     const std::vector<std::int64_t>& lens) {
+  std::int64_t total = 0, Lmax = 0;
+  for (auto n : lens) {
+    total += n;
+    Lmax = std::max(Lmax, n);
+  }
+  PagedCase c;
+  const std::int64_t n_slots = total + 17;
+  c.q = at::randn({B, nh, hd});
+  c.kp = at::randn({n_slots, nkv, hd});
+  c.vp = at::randn({n_slots, nkv, hd});
+  auto perm = at::randperm(n_slots, at::TensorOptions().dtype(at::kLong));
+  c.slots = at::zeros({B, std::max<std::int64_t>(Lmax, 1)}, at::TensorOptions().dtype(at::kLong));
+  c.bias = at::full({B, c.slots.size(1)}, -std::numeric_limits<float>::infinity());
+  std::int64_t next = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto n = lens[static_cast<std::size_t>(b)];
+    c.slots[b].narrow(0, 0, n).copy_(perm.narrow(0, next, n));
+    c.bias[b].narrow(0, 0, n).zero_();
+    next += n;
+  }
+  c.lens = at::tensor(lens, at::TensorOptions().dtype(at::kLong));
+  return c;
+}
+
+TEST(Gpu, PagedDecodeKernelMatchesTheReference) {
+  REQUIRE_GPU();
+  if (!have_cuda_kernels()) GTEST_SKIP() << "this build has no CUDA kernels (cuda preset)";
+  at::manual_seed(11);
+  struct Shape {
+    std::int64_t B, nh, nkv, hd;
+    std::vector<std::int64_t> lens;
+  };
+  std::vector<Shape> shapes = {
+      {1, 12, 2, 128, {3000}},                 // the 1.5B shape at batch 1: the keys split over SMs
+      {1, 12, 2, 128, {1}},                    // the first decode step of a one-token prompt
+      {5, 12, 2, 128, {7, 300, 1, 129, 64}},   // ragged, one chunk and several
+      {3, 4, 2, 16, {5, 40, 2}},               // the tiny preset's heads
+      {4, 14, 2, 64, {1000, 17, 513, 256}},    // 0.5B heads (g = 7)
+      {2, 16, 2, 256, {100, 1300}},            // hd 256, g 8 (the kernel's limits)
+  };
+  std::vector<std::int64_t> lens64;
+  for (int b = 0; b < 64; ++b) lens64.push_back(1 + (b * 37) % 700);
+  shapes.push_back({64, 12, 2, 128, lens64});
+  for (const auto& sh : shapes) {
+    auto c = paged_case(sh.B, sh.nh, sh.nkv, sh.hd, sh.lens);
+    for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      // The reference in fp32 on the CPU, from the inputs rounded to dt as the kernel sees them.
+      auto r = [&](const at::Tensor& t) { return t.to(dt).to(at::kFloat); };
+      auto want = paged_decode_attention_reference(r(c.q), r(c.kp), r(c.vp), c.slots, c.bias);
+      auto dev = at::Device(at::kCUDA, 0);
+      auto got = paged_decode_attention(c.q.to(dt).to(dev), c.kp.to(dt).to(dev), c.vp.to(dt).to(dev),
+                                        c.slots.to(dev), c.bias.to(dev), c.lens.to(dev));
+      ASSERT_EQ(got.scalar_type(), dt);
+      const double diff = max_abs_diff(got, want);
+      // fp32: reassociated sums and __expf; 16-bit: the output rounded once (|out| <~ 3).
+      const double tol = dt == at::kFloat ? 2e-5 : (dt == at::kBFloat16 ? 2e-2 : 3e-3);
+      EXPECT_LE(diff, tol) << c10::toString(dt) << " B=" << sh.B << " nh=" << sh.nh << " hd=" << sh.hd;
+      std::printf("gpu: paged decode attention %s B=%lld nh=%lld nkv=%lld hd=%lld max |diff| %.3g\n",
+                  c10::toString(dt), static_cast<long long>(sh.B), static_cast<long long>(sh.nh),
+                  static_cast<long long>(sh.nkv), static_cast<long long>(sh.hd), diff);
+    }
+  }
+  // Time against the gathered reference on the device: the 1.5B heads in bf16, batch 64 and 1.
+  for (auto [B, L] : {std::pair<std::int64_t, std::int64_t>{64, 1024}, {1, 4096}}) {
+    auto c = paged_case(B, 12, 2, 128, std::vector<std::int64_t>(static_cast<std::size_t>(B), L));
+    auto dev = at::Device(at::kCUDA, 0);
+    auto q = c.q.to(at::kBFloat16).to(dev), kp = c.kp.to(at::kBFloat16).to(dev), vp = c.vp.to(at::kBFloat16).to(dev);
+    auto slots = c.slots.to(dev), bias = c.bias.to(dev), lens = c.lens.to(dev);
+    using clk = std::chrono::steady_clock;
+    auto time_of = [&](const std::function<at::Tensor()>& f) {
+      (void)f().sum().item<float>();
+      const auto t0 = clk::now();
+      at::Tensor last;
+      for (int k = 0; k < 50; ++k) last = f();
+      (void)last.sum().item<float>();  // waits for the stream
+      return std::chrono::duration<double>(clk::now() - t0).count() / 50;
+    };
+    const double ours = time_of([&] { return paged_decode_attention(q, kp, vp, slots, bias, lens); });
+    const double ref = time_of([&] { return paged_decode_attention_reference(q, kp, vp, slots, bias); });
+    const double gb = static_cast<double>(B * L) * 2 * 2 * 128 * 2 / 1e9;  // K and V read once
+    std::printf("gpu: paged decode attention bf16 B=%lld L=%lld (1.5B heads): kernel %.1f us (%.0f GB/s of K/V), "
+                "gathered reference %.1f us (%.1fx)\n",
+                static_cast<long long>(B), static_cast<long long>(L), ours * 1e6, gb / ours, ref * 1e6, ref / ours);
+  }
+}
+
+TEST(Gpu, BatchedLoraKernelMatchesThePerAdapterPath) {
+  REQUIRE_GPU();
+  if (!have_cuda_kernels()) GTEST_SKIP() << "this build has no CUDA kernels (cuda preset)";
+  // Five adapters of the 1.5B shape's q and gate projections (ranks 8, 8, 16, 8 and 64; the fourth
+  // targets attention only), rows dealt round-robin with some on the base model, in fp32 masters
+  // against bf16 and fp32 activations.
+  Qwen2Config c = Qwen2Config::preset("qwen2.5-1.5b-shape");
+  c.num_hidden_layers = 1;
+  std::vector<LoraAdapter> ads;
+  const std::vector<std::int64_t> ranks = {8, 8, 16, 8, 64};
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    LoraConfig lc;
+    lc.rank = ranks[i];
+    lc.alpha = 2 * ranks[i];
+    lc.targets = LoraConfig::parse_targets({i == 3 ? "q_proj" : "all-linear"});
+    ads.push_back(LoraAdapter::init(lc, c, 20 + i, at::kCPU));
+    for (auto m : lc.targets) ads.back().B(0, m).normal_(0, 0.05);
+  }
+  const auto dev = at::Device(at::kCUDA, 0);
+  std::vector<LoraAdapter> on_dev;
+  for (const auto& a : ads) on_dev.push_back(a.to(dev));
+  at::NoGradGuard ng;
+  for (std::int64_t T : {1, 7, 64, 300}) {
+    std::vector<int> slot_of_row;
+    for (std::int64_t r = 0; r < T; ++r) slot_of_row.push_back(r % 7 == 6 ? -1 : static_cast<int>(r % 5));
+    std::vector<const LoraAdapter*> cpu_ptrs, dev_ptrs;
+    for (std::size_t i = 0; i < ads.size(); ++i) {
+      cpu_ptrs.push_back(&ads[i]);
+      dev_ptrs.push_back(&on_dev[i]);
+    }
+    auto want_batch = LoraBatch::from_row_slots(cpu_ptrs, slot_of_row, at::kCPU);
+    auto got_batch = LoraBatch::from_row_slots(dev_ptrs, slot_of_row, dev);
+    ASSERT_TRUE(got_batch.batched_kernel());
+    for (auto [m, in, out] : {std::tuple{LoraModule::kQ, c.hidden_size, c.q_dim()},
+                              std::tuple{LoraModule::kGate, c.hidden_size, c.intermediate_size}}) {
+      for (auto dt : {at::kFloat, at::kBFloat16}) {
+        auto x = at::randn({T, in}).to(dt);
+        auto y = at::randn({T, out}).to(dt);
+        auto want = want_batch.apply(x.to(at::kFloat), y.to(at::kFloat), 0, m);
+        auto got = got_batch.apply(x.to(dev), y.to(dev), 0, m);
+        const double diff = max_abs_diff(got, want);
+        const double scale = (want - y.to(at::kFloat)).abs().max().item<double>();
+        // fp32: reassociated sums; bf16: y (|y| <~ 5) rounded once after the fp32 update.
+        EXPECT_LE(diff, dt == at::kFloat ? 1e-4 : 4e-2) << c10::toString(dt) << " T=" << T << " module "
+                                                        << static_cast<int>(m);
+        std::printf("gpu: batched LoRA %s T=%lld %s max |diff| %.3g (max |delta| %.3g)\n", c10::toString(dt),
+                    static_cast<long long>(T), m == LoraModule::kQ ? "q" : "gate", diff, scale);
+      }
+    }
+  }
+  // Time one projection (gate, 1536 -> 8960) at decode batch 64 in bf16: one launch against the
+  // per-adapter gather / matmuls / scatter.
+  std::vector<int> slot_of_row;
+  for (int r = 0; r < 64; ++r) slot_of_row.push_back(r % 5);
+  std::vector<const LoraAdapter*> dev_ptrs;
+  for (auto& a : on_dev) dev_ptrs.push_back(&a);
+  auto x = at::randn({64, c.hidden_size}).to(at::kBFloat16).to(dev);
+  auto y = at::randn({64, c.intermediate_size}).to(at::kBFloat16).to(dev);
+  using clk = std::chrono::steady_clock;
+  auto time_of = [&](const LoraBatch& lb) {
+    (void)lb.apply(x, y.clone(), 0, LoraModule::kGate).sum().item<float>();
+    const auto t0 = clk::now();
+    at::Tensor last;
+    for (int k = 0; k < 50; ++k) last = lb.apply(x, y.clone(), 0, LoraModule::kGate);
+    (void)last.sum().item<float>();
+    return std::chrono::duration<double>(clk::now() - t0).count() / 50;
+  };
+  auto fused = LoraBatch::from_row_slots(dev_ptrs, slot_of_row, dev);
+  const bool prev = set_batched_lora_kernel(false);
+  auto unfused = LoraBatch::from_row_slots(dev_ptrs, slot_of_row, dev);
+  set_batched_lora_kernel(prev);
+  ASSERT_TRUE(fused.batched_kernel());
+  ASSERT_FALSE(unfused.batched_kernel());
+  const double tf = time_of(fused), tu = time_of(unfused);
+  std::printf("gpu: batched LoRA bf16 64 rows, 5 adapters, gate 1536->8960: one launch %.1f us, per adapter %.1f us "
+              "(%.1fx)\n", tf * 1e6, tu * 1e6, tu / tf);
+}
+
+TEST(Gpu, MixedAdapterDecodeOnCudaMatchesTheCpu) {
+  REQUIRE_GPU();
+  // A whole model with a KV cache: prompts of three sequences on two adapters and the base model,
+  // then decode steps batched (the paged decode attention and the batched LoRA kernel where the
+  // build has them) against the same on the CPU.
+  Qwen2Config c = Qwen2Config::preset("tiny");
+  c.vocab_size = 2048;
+  auto w = random_weights(c, 4, at::kFloat, 0.1);
+  LoraConfig lc;
+  lc.rank = 4;
+  lc.alpha = 8;
+  lc.targets = LoraConfig::parse_targets({"all-linear"});
+  std::vector<LoraAdapter> ads;
+  for (int i = 0; i < 2; ++i) {
+    ads.push_back(LoraAdapter::init(lc, c, 30 + static_cast<std::uint64_t>(i), at::kCPU));
+    for (std::int64_t l = 0; l < c.num_hidden_layers; ++l)
+      for (auto m : lc.targets) ads.back().B(l, m).normal_(0, 0.2);
+  }
+  const auto dev = at::Device(at::kCUDA, 0);
+  std::vector<LoraAdapter> on_dev = {ads[0].to(dev), ads[1].to(dev)};
+  std::vector<std::vector<std::int64_t>> prompts = {{1, 2, 3, 4, 5}, {9, 8, 7, 100, 1000, 5, 6, 7, 8}, {42, 43}};
+  const std::vector<int> slot_of_seq = {0, -1, 1};
+  at::NoGradGuard ng;
+  auto run = [&](c10::Device d, at::ScalarType dt, std::vector<const LoraAdapter*> ptrs) {
+    auto m = Qwen2Model::from_named(c, w, dt, d);
+    ContiguousKvCache cache(c, 3, 64, dt, d);
+    std::vector<int> rows;
+    for (std::size_t i = 0; i < prompts.size(); ++i) rows.insert(rows.end(), prompts[i].size(), slot_of_seq[i]);
+    auto pb = make_batch(prompts, {}, d);
+    auto pm = cache.plan(pb.segs, {0, 1, 2});
+    auto lb = LoraBatch::from_row_slots(ptrs, rows, d);
+    std::vector<at::Tensor> logits = {m->logits(m->forward(pb, &lb, &cache.pool(), &pm)).to(at::kFloat).cpu()};
+    std::vector<std::int64_t> lens = {5, 9, 2};
+    for (int step = 0; step < 4; ++step) {
+      auto db = make_batch({{11 + step}, {12 + step}, {13 + step}}, lens, d);
+      auto dm = cache.plan(db.segs, {0, 1, 2});
+      auto dl = LoraBatch::from_row_slots(ptrs, {slot_of_seq[0], slot_of_seq[1], slot_of_seq[2]}, d);
+      logits.push_back(m->logits(m->forward(db, &dl, &cache.pool(), &dm)).to(at::kFloat).cpu());
+      for (auto& n : lens) ++n;
+    }
+    return at::cat(logits, 0);
+  };
+  auto want = run(at::kCPU, at::kFloat, {&ads[0], &ads[1]});
+  const double scale = want.abs().max().item<double>();
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    auto got = run(dev, dt, {&on_dev[0], &on_dev[1]});
+    const double diff = max_abs_diff(got, want);
+    EXPECT_LE(diff, dt == at::kFloat ? 1e-4 : 0.05 * scale) << c10::toString(dt);
+    std::printf("gpu: mixed-adapter decode with a KV cache %s logits max |diff| %.3g (max |logit| %.3g)\n",
+                c10::toString(dt), diff, scale);
   }
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -236,6 +237,50 @@ TEST(Forward, BatchedDecodeEqualsPerSequenceDecode) {
   }
 }
 
+TEST(Attention, PagedDecodeReadsEachSequencesScatteredSlotsOnly) {
+  // A pool whose slots are dealt to three sequences out of order, plus slots no one owns (they
+  // must not leak into any softmax): each row equals that sequence's attention over its own keys.
+  const std::int64_t nh = 6, nkv = 2, hd = 16, n_slots = 40;
+  at::manual_seed(3);
+  auto kp = at::randn({n_slots, nkv, hd}), vp = at::randn({n_slots, nkv, hd});
+  auto perm = at::randperm(n_slots, at::TensorOptions().dtype(at::kLong));
+  const std::vector<std::int64_t> lens = {1, 11, 7};
+  const std::int64_t B = 3, Lmax = 11;
+  auto q = at::randn({B, nh, hd});
+  auto slots = at::zeros({B, Lmax}, at::TensorOptions().dtype(at::kLong));
+  auto bias = at::full({B, Lmax}, -std::numeric_limits<float>::infinity());
+  std::int64_t next = 0;
+  std::vector<at::Tensor> own;
+  for (std::int64_t b = 0; b < B; ++b) {
+    auto mine = perm.narrow(0, next, lens[static_cast<std::size_t>(b)]);
+    next += lens[static_cast<std::size_t>(b)];
+    slots[b].narrow(0, 0, mine.size(0)).copy_(mine);
+    bias[b].narrow(0, 0, mine.size(0)).zero_();
+    own.push_back(mine);
+  }
+  auto lens_t = at::tensor(lens, at::TensorOptions().dtype(at::kLong));
+  auto got = paged_decode_attention(q, kp, vp, slots, bias, lens_t);  // the reference on CPU
+  ASSERT_EQ(got.sizes(), (std::vector<std::int64_t>{B, nh * hd}));
+  EXPECT_EQ(max_abs_diff(got, paged_decode_attention_reference(q, kp, vp, slots, bias)), 0.0);
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto& s = own[static_cast<std::size_t>(b)];
+    auto want = segment_attention_reference(q.narrow(0, b, 1), kp.index_select(0, s), vp.index_select(0, s),
+                                            s.size(0) - 1);
+    EXPECT_LE(max_abs_diff(got.narrow(0, b, 1), want), 1e-5) << "sequence " << b;
+  }
+}
+
+TEST(KvCache, BatchedDecodePlanCarriesEachSequencesLength) {
+  auto c = test_config();
+  ContiguousKvCache cache(c, 3, 16, at::kFloat, at::kCPU);
+  auto pm = cache.plan({{0, 4, 0}, {4, 2, 0}, {6, 9, 0}}, {0, 1, 2});
+  EXPECT_FALSE(pm.decode_lens.defined()) << "prefill has no decode table";
+  auto dm = cache.plan({{0, 1, 4}, {1, 1, 2}, {2, 1, 9}}, {0, 1, 2});
+  ASSERT_TRUE(dm.decode_lens.defined());
+  EXPECT_TRUE(at::equal(dm.decode_lens, at::tensor(std::vector<std::int64_t>{5, 3, 10})));
+  EXPECT_EQ(dm.decode_slots.size(1), 10);
+}
+
 TEST(Lora, ZeroBEqualsBaseAndMergedEqualsUnmerged) {
   auto c = test_config();
   NamedTensors w;
@@ -315,6 +360,52 @@ TEST(Lora, MixedAdaptersInOneBatchEqualEachAlone) {
     EXPECT_LE(max_abs_diff(mixed.narrow(0, off, n), alone), 1e-5) << "sequence " << i;
     off += n;
   }
+}
+
+TEST(Lora, TilesGroupEachAdaptersRowsInOrderAndCoverEveryRowOnce) {
+  // Rows dealt round-robin to three adapters and the base model, as a decode batch is, plus one
+  // adapter with more rows than a tile holds.
+  std::vector<int> part_of_row;
+  for (int r = 0; r < 40; ++r) part_of_row.push_back(r % 4 == 3 ? -1 : r % 4);
+  for (int r = 0; r < 21; ++r) part_of_row.push_back(2);
+  const int rows_per_tile = 4;
+  auto t = lora_tiles(part_of_row, rows_per_tile);
+  ASSERT_EQ(t.size() % (2 + rows_per_tile), 0u);
+  std::vector<int> seen(part_of_row.size(), 0);
+  int last_part = -1, last_row = -1;
+  for (std::size_t i = 0; i < t.size(); i += 2 + rows_per_tile) {
+    const int part = t[i], count = t[i + 1];
+    ASSERT_GE(count, 1);
+    ASSERT_LE(count, rows_per_tile);
+    EXPECT_GE(part, last_part) << "parts in increasing order";
+    if (part != last_part) last_row = -1;
+    for (int k = 0; k < rows_per_tile; ++k) {
+      const int r = t[i + 2 + static_cast<std::size_t>(k)];
+      if (k >= count) {
+        EXPECT_EQ(r, 0) << "padding";
+        continue;
+      }
+      EXPECT_EQ(part_of_row.at(static_cast<std::size_t>(r)), part) << "row " << r;
+      EXPECT_GT(r, last_row) << "rows ascending within a part";
+      last_row = r;
+      ++seen[static_cast<std::size_t>(r)];
+    }
+    last_part = part;
+  }
+  for (std::size_t r = 0; r < part_of_row.size(); ++r)
+    EXPECT_EQ(seen[r], part_of_row[r] < 0 ? 0 : 1) << "row " << r;
+  EXPECT_TRUE(lora_tiles({-1, -1}, 16).empty());
+}
+
+TEST(Lora, BatchedKernelOnlyOnCudaBatchesWithTheKernels) {
+  auto c = test_config();
+  LoraConfig lc;
+  lc.rank = 2;
+  lc.alpha = 4;
+  lc.targets = LoraConfig::parse_targets({"all-linear"});
+  auto ad = LoraAdapter::init(lc, c, 1, at::kCPU);
+  EXPECT_FALSE(LoraBatch::from_row_slots({&ad}, {0, -1, 0}, at::kCPU).batched_kernel());
+  EXPECT_FALSE(LoraBatch::all(&ad).batched_kernel());
 }
 
 TEST(Lora, PeftRoundTripIsBitExact) {
