@@ -15,6 +15,7 @@
 
 #include "core/io/adapter_manifest.h"
 #include "core/io/safetensors.h"
+#include "core/model/runtime.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/sha256.h"
@@ -154,6 +155,11 @@ LoadedAdapter build_adapter(const std::string& name, const std::string& path, co
   out.name = name;
   out.path = path;
   out.sha256 = sha256;
+  // Converting the weights may start compute workers on this (HTTP or loader) thread: end them
+  // after, or the engine's workers stop spinning between regions (model::release_compute_threads).
+  struct ReleaseWorkers {
+    ~ReleaseWorkers() { model::release_compute_threads(); }
+  } release_workers;
   try {
     out.weights = std::make_shared<const model::LoraAdapter>(model::LoraAdapter::from_peft(
         config, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(weights.data()), weights.size()),

@@ -4,6 +4,7 @@
 
 #include <limits>
 
+#include "core/model/runtime.h"
 #include "engine/engine_impl.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -60,6 +61,9 @@ Engine::Engine(std::shared_ptr<const model::Qwen2Model> m, std::shared_ptr<const
               n_blocks, opts_.block_size, static_cast<double>(n_blocks * per_block) / (1 << 20),
               opts_.max_loras);
   impl_->alive = true;  // before the thread starts: /health must not see a starting engine as dead
+  // The engine thread computes from now on: the workers this thread used to load and zero are
+  // ended, or the engine's would sleep between regions (model::release_compute_threads).
+  model::release_compute_threads();
   impl_->thread = std::thread([this] { impl_->loop(); });
 }
 

@@ -5,6 +5,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <atomic>
 #include <cstring>
@@ -56,6 +59,12 @@ void set_compute_threads(int n) {
 }
 
 int compute_threads() { return at::get_num_threads(); }
+
+void release_compute_threads() {
+#ifdef _OPENMP
+  (void)omp_pause_resource(omp_pause_hard, omp_get_initial_device());
+#endif
+}
 
 namespace {
 

@@ -4,13 +4,18 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <ATen/Parallel.h>
+
 #include <atomic>
+#include <filesystem>
 #include <iostream>
 #include <random>
+#include <thread>
 
 #include "core/model/cpu_kernels.h"
 #include "core/model/device_kernels.h"
 #include "core/model/qwen2_model.h"
+#include "core/model/runtime.h"
 #include "util/error.h"
 
 namespace lorasync::model {
@@ -493,6 +498,45 @@ TEST(CpuDecode, MixedStepsEqualTheLibtorchPath) {
   };
   auto want = run(false);
   both_isas([&] { EXPECT_LE(max_rel_diff(run(true), want), 1e-5); });
+}
+
+std::size_t threads_of_this_process() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+TEST(Runtime, ReleasingAThreadsComputeWorkersEndsThemAndParallelWorkGoesOn) {
+  // A thread that ran parallel work keeps its idle workers until it ends or releases them (the
+  // engine relies on this: a pool left by the loading thread made its own workers sleep).
+  set_compute_threads(2);
+  const std::size_t before = threads_of_this_process();
+  std::size_t during = 0, after = 0;
+  std::atomic<std::int64_t> sum{0}, again{0};
+  auto work = [](std::atomic<std::int64_t>& total) {  // the kernels' parallel loop (OpenMP's)
+    cpu::parallel_for_cost(
+        1 << 16, [](std::int64_t) { return std::int64_t{1}; },
+        [&](std::int64_t b, std::int64_t e) {
+          std::int64_t s = 0;
+          for (auto i = b; i < e; ++i) s += i;
+          total += s;
+        });
+  };
+  std::thread loader([&] {
+    work(sum);
+    during = threads_of_this_process();
+    release_compute_threads();
+    after = threads_of_this_process();
+    work(again);  // a new pool starts on demand
+    release_compute_threads();
+  });
+  loader.join();
+  const std::int64_t want = (std::int64_t{1} << 16) * ((std::int64_t{1} << 16) - 1) / 2;
+  EXPECT_EQ(sum.load(), want);
+  EXPECT_EQ(again.load(), want);
+  if (at::get_parallel_info().find("OpenMP") == std::string::npos || during <= before + 1)
+    GTEST_SKIP() << "no OpenMP worker pool in this build (" << before << " threads, " << during << " during)";
+  EXPECT_LT(after, during) << "the loader's idle worker is ended";
 }
 
 }  // namespace
