@@ -282,6 +282,7 @@ bool LoraBatch::apply_batched(const at::Tensor& x, at::Tensor& y, std::int64_t l
     scales.push_back(p.adapter->config().scaling());
     if (on && c10::GradMode::is_enabled() && (A.back().requires_grad() || B.back().requires_grad())) return false;
   }
+  if (std::none_of(A.begin(), A.end(), [](const at::Tensor& a) { return a.defined(); })) return true;
   if (!cuda::lora_tiles_fit(x, A, B)) return false;
   if (!y.is_contiguous()) y = y.contiguous();
   cuda::lora_apply_tiles(x, y, tiles_, A, B, scales);

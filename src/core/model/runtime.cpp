@@ -5,9 +5,6 @@
 #include <c10/core/CPUAllocator.h>
 #include <sys/mman.h>
 #include <unistd.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include <atomic>
 #include <cstring>
@@ -60,10 +57,16 @@ void set_compute_threads(int n) {
 
 int compute_threads() { return at::get_num_threads(); }
 
+// OpenMP 5.0's omp_pause_resource on the host, bound weakly: this file is compiled without
+// -fopenmp (in every build, sanitizers included), and the call means something only where a
+// libgomp is loaded, which is also the only case in which a pool can exist.
+extern "C" int omp_pause_resource(int kind, int device_num) __attribute__((weak));
+extern "C" int omp_get_initial_device() __attribute__((weak));
+
 void release_compute_threads() {
-#ifdef _OPENMP
-  (void)omp_pause_resource(omp_pause_hard, omp_get_initial_device());
-#endif
+  constexpr int kOmpPauseHard = 2;  // omp_pause_hard: the calling thread's pool is freed
+  if (omp_pause_resource != nullptr && omp_get_initial_device != nullptr)
+    (void)omp_pause_resource(kOmpPauseHard, omp_get_initial_device());
 }
 
 namespace {

@@ -37,6 +37,15 @@ std::unique_ptr<Qwen2Model> make_model(const Qwen2Config& c, NamedTensors* keep 
   return Qwen2Model::from_named(c, w, at::kFloat, at::kCPU);
 }
 
+// LoRA on every linear layer, alpha = 2 x rank.
+LoraConfig all_linear(std::int64_t rank) {
+  LoraConfig lc;
+  lc.rank = rank;
+  lc.alpha = static_cast<double>(2 * rank);
+  lc.targets = LoraConfig::parse_targets({"all-linear"});
+  return lc;
+}
+
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
@@ -332,10 +341,7 @@ TEST(Lora, OnlyAdapterRequiresGradAndInitLikePeft) {
 TEST(Lora, MixedAdaptersInOneBatchEqualEachAlone) {
   auto c = test_config();
   auto m = make_model(c);
-  LoraConfig lc;
-  lc.rank = 2;
-  lc.alpha = 4;
-  lc.targets = LoraConfig::parse_targets({"all-linear"});
+  const LoraConfig lc = all_linear(2);
   std::vector<LoraAdapter> ads;
   for (int i = 0; i < 2; ++i) {
     ads.push_back(LoraAdapter::init(lc, c, 10 + static_cast<std::uint64_t>(i), at::kCPU));
@@ -399,11 +405,7 @@ TEST(Lora, TilesGroupEachAdaptersRowsInOrderAndCoverEveryRowOnce) {
 
 TEST(Lora, BatchedKernelOnlyOnCudaBatchesWithTheKernels) {
   auto c = test_config();
-  LoraConfig lc;
-  lc.rank = 2;
-  lc.alpha = 4;
-  lc.targets = LoraConfig::parse_targets({"all-linear"});
-  auto ad = LoraAdapter::init(lc, c, 1, at::kCPU);
+  auto ad = LoraAdapter::init(all_linear(2), c, 1, at::kCPU);
   EXPECT_FALSE(LoraBatch::from_row_slots({&ad}, {0, -1, 0}, at::kCPU).batched_kernel());
   EXPECT_FALSE(LoraBatch::all(&ad).batched_kernel());
 }

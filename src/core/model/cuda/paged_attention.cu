@@ -27,43 +27,21 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/model/cuda/elem.cuh"
 #include "core/model/cuda/launch.h"
 
 namespace lorasync::model::cuda {
 
 namespace {
 
-template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half(v); }
-
 constexpr int kWarps = 4;
 constexpr int kMaxGroup = 8;
 constexpr float kNegInf = -INFINITY;
 
-struct Params {
-  const void* q;
-  const void* k_pool;
-  const void* v_pool;
-  const std::int64_t* slots;
-  const std::int64_t* lens;
-  void* out;
-  float* ws_m;    // [B, nkv, n_chunks, g]: each chunk's running max (n_chunks > 1 only)
-  float* ws_l;    // [B, nkv, n_chunks, g]: each chunk's sum of exp(score - max)
-  float* ws_acc;  // [B, nkv, n_chunks, g, hd]: each chunk's sum of exp(score - max) * v
-  std::int64_t nh, nkv, hd, slots_ld, n_chunks, chunk;
-  float scale;
-};
 
 // VEC = elements of a head each lane holds (hd <= 32 * VEC).
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kWarps * 32) paged_decode_kernel(Params p) {
+__global__ void __launch_bounds__(kWarps * 32) paged_decode_kernel(PagedDecodeArgs p) {
   const std::int64_t b = blockIdx.x, kvh = blockIdx.y, c = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = static_cast<int>(p.nh / p.nkv);
@@ -166,7 +144,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_decode_kernel(Params p) {
 
 // Merges the chunks of one (sequence, query head): grid (B, nh), one thread per element of hd.
 template <typename T>
-__global__ void paged_decode_merge_kernel(Params p) {
+__global__ void paged_decode_merge_kernel(PagedDecodeArgs p) {
   const std::int64_t b = blockIdx.x, head = blockIdx.y;
   const std::int64_t g = p.nh / p.nkv, kvh = head / g, h = head % g;
   const std::int64_t base = (b * p.nkv + kvh) * p.n_chunks * g + h;  // cell of chunk 0
@@ -188,21 +166,21 @@ __global__ void paged_decode_merge_kernel(Params p) {
 }
 
 template <typename T, int VEC>
-void launch_typed(const Params& p, std::int64_t B, cudaStream_t s) {
-  const dim3 grid(static_cast<unsigned>(B), static_cast<unsigned>(p.nkv), static_cast<unsigned>(p.n_chunks));
+void launch_typed(const PagedDecodeArgs& p, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(p.B), static_cast<unsigned>(p.nkv), static_cast<unsigned>(p.n_chunks));
   paged_decode_kernel<T, VEC><<<grid, kWarps * 32, 0, s>>>(p);
   if (p.n_chunks > 1) {
     const unsigned threads = p.hd < 32 ? 32u : static_cast<unsigned>(p.hd);
-    paged_decode_merge_kernel<T><<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(p.nh)), threads, 0, s>>>(p);
+    paged_decode_merge_kernel<T><<<dim3(static_cast<unsigned>(p.B), static_cast<unsigned>(p.nh)), threads, 0, s>>>(p);
   }
 }
 
 template <typename T>
-int launch_for_hd(const Params& p, std::int64_t B, cudaStream_t s) {
-  if (p.hd <= 32) launch_typed<T, 1>(p, B, s);
-  else if (p.hd <= 64) launch_typed<T, 2>(p, B, s);
-  else if (p.hd <= 128) launch_typed<T, 4>(p, B, s);
-  else launch_typed<T, 8>(p, B, s);
+int launch_for_hd(const PagedDecodeArgs& p, cudaStream_t s) {
+  if (p.hd <= 32) launch_typed<T, 1>(p, s);
+  else if (p.hd <= 64) launch_typed<T, 2>(p, s);
+  else if (p.hd <= 128) launch_typed<T, 4>(p, s);
+  else launch_typed<T, 8>(p, s);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -214,13 +192,11 @@ bool paged_decode_fits(std::int64_t nh, std::int64_t nkv, std::int64_t hd) {
 
 int launch_paged_decode_attention(const PagedDecodeArgs& a, ElemType type, void* stream) {
   if (a.B == 0) return 0;
-  Params p{a.q, a.k_pool, a.v_pool, a.slots, a.lens, a.out, a.ws_m, a.ws_l, a.ws_acc,
-           a.nh, a.nkv, a.hd, a.slots_ld, a.n_chunks, a.chunk, a.scale};
   auto s = static_cast<cudaStream_t>(stream);
   switch (type) {
-    case ElemType::kF32: return launch_for_hd<float>(p, a.B, s);
-    case ElemType::kBF16: return launch_for_hd<__nv_bfloat16>(p, a.B, s);
-    case ElemType::kF16: return launch_for_hd<__half>(p, a.B, s);
+    case ElemType::kF32: return launch_for_hd<float>(a, s);
+    case ElemType::kBF16: return launch_for_hd<__nv_bfloat16>(a, s);
+    case ElemType::kF16: return launch_for_hd<__half>(a, s);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
