@@ -19,7 +19,6 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <atomic>
-#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -254,7 +253,6 @@ nlohmann::json get_json(const http::Pool& base, const std::string& target) {
 }
 
 int run(const BenchProxyOptions& o) {
-  std::signal(SIGPIPE, SIG_IGN);
   BenchReporter rep;
   // Memory per tracked block at 500k entries.
   {

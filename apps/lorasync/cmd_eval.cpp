@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -272,7 +271,6 @@ http::Task<void> server_worker(ServerRun& run) {
 void run_server(const EvalCmdOptions& o, const http::Url& url,
                 const std::vector<const rl::Problem*>& problems, const tok::Tokenizer& tk,
                 Tally& tally) {
-  std::signal(SIGPIPE, SIG_IGN);
   // Stops from the model directory's config when it has one (the tokenizer's otherwise).
   std::vector<std::int64_t> eos;
   const fs::path cfg = fs::path(o.model.model_dir) / "config.json";

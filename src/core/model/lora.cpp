@@ -11,6 +11,7 @@
 #include <cmath>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "core/io/safetensors.h"
 #include "core/model/device_kernels.h"
@@ -217,23 +218,23 @@ LoraBatch LoraBatch::from_row_slots(const std::vector<const LoraAdapter*>& adapt
   std::map<int, std::vector<std::int64_t>> rows;
   for (std::size_t r = 0; r < slot_of_row.size(); ++r)
     if (slot_of_row[r] >= 0) rows[slot_of_row[r]].push_back(static_cast<std::int64_t>(r));
-  std::vector<int> part_of_row(slot_of_row.size(), -1);
+  std::vector<std::vector<std::int64_t>> rows_of_part;
   for (auto& [slot, idx] : rows) {
     const LoraAdapter* a = adapters.at(static_cast<std::size_t>(slot));
     if (a == nullptr) continue;
-    for (auto r : idx) part_of_row[static_cast<std::size_t>(r)] = static_cast<int>(b.parts_.size());
     if (idx.size() == slot_of_row.size()) {
       b.parts_.push_back({a, at::Tensor()});
     } else {
       b.parts_.push_back({a, at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(device)});
     }
+    rows_of_part.push_back(std::move(idx));
   }
   b.rows_ = static_cast<std::int64_t>(slot_of_row.size());
   bool fits = device.is_cuda() && g_batched_lora_kernel.load() && have_cuda_kernels() && !b.parts_.empty() &&
               b.parts_.size() <= static_cast<std::size_t>(cuda::kLoraKernelMaxAdapters);
   for (const auto& p : b.parts_) fits = fits && p.adapter->config().rank <= cuda::kLoraKernelMaxRank;
   if (fits) {
-    auto t = lora_tiles(part_of_row, cuda::kLoraKernelTileRows);
+    auto t = lora_tiles(rows_of_part, cuda::kLoraKernelTileRows);
     b.tiles_ = at::tensor(t, at::TensorOptions().dtype(at::kInt))
                    .view({-1, 2 + cuda::kLoraKernelTileRows})
                    .to(device);
@@ -241,19 +242,18 @@ LoraBatch LoraBatch::from_row_slots(const std::vector<const LoraAdapter*>& adapt
   return b;
 }
 
-std::vector<int> lora_tiles(const std::vector<int>& part_of_row, int tile_rows) {
-  std::map<int, std::vector<int>> rows;
-  for (std::size_t r = 0; r < part_of_row.size(); ++r)
-    if (part_of_row[r] >= 0) rows[part_of_row[r]].push_back(static_cast<int>(r));
+std::vector<int> lora_tiles(const std::vector<std::vector<std::int64_t>>& rows_of_part, int tile_rows) {
   std::vector<int> out;
-  for (const auto& [part, idx] : rows)
+  for (std::size_t part = 0; part < rows_of_part.size(); ++part) {
+    const auto& idx = rows_of_part[part];
     for (std::size_t i = 0; i < idx.size(); i += static_cast<std::size_t>(tile_rows)) {
       const auto n = std::min(idx.size() - i, static_cast<std::size_t>(tile_rows));
-      out.push_back(part);
+      out.push_back(static_cast<int>(part));
       out.push_back(static_cast<int>(n));
       for (std::size_t k = 0; k < static_cast<std::size_t>(tile_rows); ++k)
-        out.push_back(k < n ? idx[i + k] : 0);
+        out.push_back(k < n ? static_cast<int>(idx[i + k]) : 0);
     }
+  }
   return out;
 }
 

@@ -115,9 +115,9 @@ class LoraBatch {
 // previous setting (the tests and benches time both paths).
 bool set_batched_lora_kernel(bool on);
 
-// Rows grouped by adapter for the batched kernel: part_of_row[r] is the index of row r's adapter
-// (-1: none). Returns a flat [n_tiles, 2 + tile_rows] table: (part, count, rows..., zero padding),
-// each tile up to tile_rows rows of one part, parts in increasing order, rows ascending.
-std::vector<int> lora_tiles(const std::vector<int>& part_of_row, int tile_rows);
+// Rows grouped by adapter for the batched kernel: rows_of_part[p] are the rows of adapter p
+// (ascending). Returns a flat [n_tiles, 2 + tile_rows] table: (part, count, rows..., zero padding),
+// each tile up to tile_rows rows of one part, parts in increasing order, rows in their order.
+std::vector<int> lora_tiles(const std::vector<std::vector<std::int64_t>>& rows_of_part, int tile_rows);
 
 }  // namespace lorasync::model

@@ -375,7 +375,10 @@ TEST(Lora, TilesGroupEachAdaptersRowsInOrderAndCoverEveryRowOnce) {
   for (int r = 0; r < 40; ++r) part_of_row.push_back(r % 4 == 3 ? -1 : r % 4);
   for (int r = 0; r < 21; ++r) part_of_row.push_back(2);
   const int rows_per_tile = 4;
-  auto t = lora_tiles(part_of_row, rows_per_tile);
+  std::vector<std::vector<std::int64_t>> rows_of_part(3);
+  for (std::size_t r = 0; r < part_of_row.size(); ++r)
+    if (part_of_row[r] >= 0) rows_of_part[static_cast<std::size_t>(part_of_row[r])].push_back(static_cast<std::int64_t>(r));
+  auto t = lora_tiles(rows_of_part, rows_per_tile);
   ASSERT_EQ(t.size() % (2 + rows_per_tile), 0u);
   std::vector<int> seen(part_of_row.size(), 0);
   int last_part = -1, last_row = -1;
@@ -400,7 +403,7 @@ TEST(Lora, TilesGroupEachAdaptersRowsInOrderAndCoverEveryRowOnce) {
   }
   for (std::size_t r = 0; r < part_of_row.size(); ++r)
     EXPECT_EQ(seen[r], part_of_row[r] < 0 ? 0 : 1) << "row " << r;
-  EXPECT_TRUE(lora_tiles({-1, -1}, 16).empty());
+  EXPECT_TRUE(lora_tiles({}, 16).empty());
 }
 
 TEST(Lora, BatchedKernelOnlyOnCudaBatchesWithTheKernels) {
