@@ -1,6 +1,6 @@
 // core/model/cpu_kernels_impl.h: what the CPU kernels' implementation files (cpu_kernels.cpp,
-// cpu_gemm.cpp) share; never included by other headers. The x86 intrinsics and LS_X86 (1 where
-// they exist): which kernels run is decided at run time (__builtin_cpu_supports), so the baseline
+// cpu_rowops.cpp, cpu_gemm.cpp) share; never included by other headers. The x86 intrinsics and
+// LS_X86 (1 where they exist): which kernels run is decided at run time (__builtin_cpu_supports), so the baseline
 // ISA stays the compiler's. And the split of a linear's weight rows into chunks for the threads.
 #pragma once
 
@@ -20,6 +20,37 @@
 #endif
 
 namespace lorasync::model::cpu::detail {
+
+// Kernel choice and the small vector helpers both files use (defined in cpu_kernels.cpp).
+bool use_avx2();  // AVX2 + FMA present and the portable path not forced
+float dot_portable(const float* a, const float* b, std::int64_t n);
+void axpy_portable(float a, const float* x, float* y, std::int64_t n);
+#if LS_X86
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, std::int64_t n);
+__attribute__((target("avx2,fma"))) void axpy_avx2(float a, const float* x, float* y, std::int64_t n);
+
+// The 8 sums of a[0..7], one per lane, in order.
+__attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The eight dot products a . rows[u] of length n (a multiple of 8), lane u holding rows[u]'s:
+// one accumulator per row, reduced together.
+__attribute__((target("avx2,fma"))) inline __m256 dots8_avx2(const float* a, const float* const* rows,
+                                                             std::int64_t n) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (std::int64_t d = 0; d < n; d += 8) {
+    const __m256 av = _mm256_loadu_ps(a + d);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(av, _mm256_loadu_ps(rows[u] + d), acc[u]);
+  }
+  return hsum8(acc);
+}
+#endif
 
 // Rows [n0, n1) of part `part` (a weight matrix, or a LoRA delta's rows or outputs).
 struct Chunk {
