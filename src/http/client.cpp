@@ -17,6 +17,7 @@
 #include <boost/beast/ssl.hpp>
 
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <limits>
 #include <mutex>
@@ -71,6 +72,8 @@ struct Conn {
   // Body pieces are read into this buffer, allocated once per connection (not zero-filled, not
   // per response: a relayed request used to pay a 64 KiB allocation and memset).
   std::unique_ptr<char[]> piece;
+  // The request head being sent, built here so its capacity serves the connection's next request.
+  std::string head;
   Clock::time_point idle_since{};
   bool broken = false;
   beast::tcp_stream& lowest() { return tls ? beast::get_lowest_layer(*tls) : *tcp; }
@@ -405,18 +408,23 @@ void Pool::close_idle() {
 Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
   auto P = impl_;
   const auto deadline = o.total_timeout_s > 0 ? Clock::now() + secs(o.total_timeout_s) : Clock::time_point::max();
-  std::string head;
-  head.reserve(512 + rq.body.size() * 0);
-  head.append(rq.method).append(" ").append(P->url.prefix).append(rq.target).append(" HTTP/1.1\r\nHost: ");
-  head.append(P->url.host_header()).append("\r\n");
-  if (rq.headers)
-    for (const auto& h : *rq.headers) {
-      if (iequals(h.name, "host") || iequals(h.name, "content-length") || is_hop_by_hop(h.name)) continue;
-      head.append(h.name).append(": ").append(h.value).append("\r\n");
+  auto build_head = [&](std::string& head) {
+    head.clear();
+    head.append(rq.method).append(" ").append(P->url.prefix).append(rq.target).append(" HTTP/1.1\r\nHost: ");
+    head.append(P->url.host_header()).append("\r\n");
+    if (rq.headers)
+      for (const auto& h : *rq.headers) {
+        if (iequals(h.name, "host") || iequals(h.name, "content-length") || is_hop_by_hop(h.name)) continue;
+        head.append(h.name).append(": ").append(h.value).append("\r\n");
+      }
+    const bool body_method = !rq.body.empty() || rq.method == "POST" || rq.method == "PUT" || rq.method == "PATCH";
+    if (body_method) {
+      char num[24];
+      const int n = std::snprintf(num, sizeof num, "%zu", rq.body.size());
+      head.append("Content-Length: ").append(num, static_cast<std::size_t>(n)).append("\r\n");
     }
-  bool body_method = !rq.body.empty() || rq.method == "POST" || rq.method == "PUT" || rq.method == "PATCH";
-  if (body_method) head.append("Content-Length: ").append(std::to_string(rq.body.size())).append("\r\n");
-  head.append("\r\n");
+    head.append("\r\n");
+  };
 
   bool fresh = o.fresh_connection;
   for (int attempt = 0;; ++attempt) {
@@ -459,7 +467,8 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
 
     beast::error_code ec;
     conn->lowest().expires_at(std::min(Clock::now() + secs(o.first_byte_timeout_s), deadline));
-    std::array<net::const_buffer, 2> bufs{net::buffer(head), net::buffer(rq.body.data(), rq.body.size())};
+    build_head(conn->head);
+    std::array<net::const_buffer, 2> bufs{net::buffer(conn->head), net::buffer(rq.body.data(), rq.body.size())};
     co_await on_stream(*conn, [&](auto& s) {
       return net::async_write(s, bufs, net::redirect_error(net::use_awaitable, ec));
     });

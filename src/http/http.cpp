@@ -117,8 +117,8 @@ bool is_hop_by_hop(std::string_view n) {
   return false;
 }
 
-Headers strip_hop_by_hop(const Headers& in) {
-  std::vector<std::string> listed;
+void strip_hop_by_hop(const Headers& in, Headers& out) {
+  std::vector<std::string_view> listed;  // (allocates only when a Connection header lists names)
   for (const auto& h : in)
     if (iequals(h.name, "connection")) {
       std::string_view v = h.value;
@@ -127,18 +127,32 @@ Headers strip_hop_by_hop(const Headers& in) {
         std::string_view tok = v.substr(0, c);
         while (!tok.empty() && (tok.front() == ' ' || tok.front() == '\t')) tok.remove_prefix(1);
         while (!tok.empty() && (tok.back() == ' ' || tok.back() == '\t')) tok.remove_suffix(1);
-        if (!tok.empty()) listed.emplace_back(tok);
+        if (!tok.empty()) listed.push_back(tok);
         if (c == std::string_view::npos) break;
         v.remove_prefix(c + 1);
       }
     }
-  Headers out;
+  auto& items = out.items();
+  std::size_t k = 0;
   for (const auto& h : in) {
     if (is_hop_by_hop(h.name)) continue;
     bool named = false;
     for (const auto& l : listed) named |= iequals(l, h.name);
-    if (!named) out.add(h.name, h.value);
+    if (named) continue;
+    if (k < items.size()) {
+      items[k].name.assign(h.name);
+      items[k].value.assign(h.value);
+    } else {
+      items.push_back(h);
+    }
+    ++k;
   }
+  items.erase(items.begin() + static_cast<std::ptrdiff_t>(k), items.end());
+}
+
+Headers strip_hop_by_hop(const Headers& in) {
+  Headers out;
+  strip_hop_by_hop(in, out);
   return out;
 }
 

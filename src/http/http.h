@@ -76,6 +76,9 @@ std::string error_message_of(std::string_view body);
 bool is_hop_by_hop(std::string_view name);
 // Copies `in` without hop-by-hop headers and without those named in its Connection values.
 Headers strip_hop_by_hop(const Headers& in);
+// The same into `out` (replacing its contents), reusing its strings' capacity: with an `out` kept
+// from call to call, copying a response's headers allocates nothing once the strings are large enough.
+void strip_hop_by_hop(const Headers& in, Headers& out);
 
 // http(s)://host[:port][/prefix]. No userinfo, query or fragment; trailing '/' dropped.
 struct Url {

@@ -262,14 +262,20 @@ class Writer final : public ResponseWriter {
 };
 
 struct WatchState {
-  bool active = true;  // strand-only
+  bool active = true;  // strand-only: the handler is running
+  bool ended = false;  // strand-only: the client closed or the connection failed meanwhile
+  char peek = 0;       // the watch's one-byte peek target
 };
 
 }  // namespace
 
 class Server::Impl {
  public:
-  Impl(ServerOptions o, Handler h) : opts(std::move(o)), handler(std::move(h)), work(net::make_work_guard(ioc)) {}
+  Impl(ServerOptions o, Handler h)
+      : opts(std::move(o)),
+        handler(std::move(h)),
+        ioc(opts.threads <= 1 ? 1 : BOOST_ASIO_CONCURRENCY_HINT_DEFAULT),
+        work(net::make_work_guard(ioc)) {}
 
   ServerOptions opts;
   Handler handler;
@@ -325,11 +331,20 @@ class Server::Impl {
     }
   }
 
+  // A connection's executor. With several I/O threads, a strand per connection. With one, the
+  // io_context's own executor: the thread already serialises everything, and a strand, too large
+  // for any_io_executor's inline storage, cost a heap allocation (and a reference count) at each
+  // of the twenty or so executor conversions of a proxied request.
+  net::any_io_executor connection_executor() {
+    if (opts.threads <= 1) return ioc.get_executor();
+    return net::make_strand(ioc);
+  }
+
   net::awaitable<void> accept_loop() {
     for (;;) {
       error_code ec;
       tcp::socket sock =
-          co_await acceptor->async_accept(net::make_strand(ioc), net::redirect_error(net::use_awaitable, ec));
+          co_await acceptor->async_accept(connection_executor(), net::redirect_error(net::use_awaitable, ec));
       if (stopping.load()) co_return;
       if (ec) {
         if (ec == net::error::operation_aborted) co_return;
@@ -394,24 +409,29 @@ class Server::Impl {
     s->close();
   }
 
-  net::awaitable<void> watch(std::shared_ptr<Session> s, std::shared_ptr<WatchState> ws, Writer* w) {
-    for (;;) {
-      error_code ec;
-      co_await s->sock.async_wait(tcp::socket::wait_read, net::redirect_error(net::use_awaitable, ec));
-      if (!ws->active) co_return;
-      if (ec) {
-        if (ec != net::error::operation_aborted) w->client_gone().fire();
-        co_return;
-      }
-      // Never block the strand here: readiness can be spurious, and a blocking peek would hold
-      // this connection's strand (and the handler's wake-ups) until the client sends or leaves.
-      char c;
-      const ssize_t n = ::recv(s->sock.native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
-      if (n <= 0) w->client_gone().fire();
-      // Otherwise the client pipelined its next request: stop watching.
-      co_return;
-    }
+  // Notices the client leaving while the handler runs. A one-byte peeking receive, not a readiness
+  // wait: Asio re-registers the descriptor with epoll (one epoll_ctl system call) for every
+  // readiness wait, while a receive on a socket whose last read drained it is only queued, and
+  // completes when data or the end of stream arrives. Data means a pipelined next request (left
+  // in the socket: the peek does not consume it).
+  // The end of stream (or an error) seen by the peek is an edge the session's next read will not
+  // see again (epoll is edge-triggered and the reactor then queues that read without trying it).
+  // So: seen while the handler runs, it marks the session ended (closed after the answer); seen
+  // once the handler is over, the session's next read has already been queued on this strand
+  // (the watch's completion runs after it): cancelling it ends the session at once.
+  void watch(const std::shared_ptr<Session>& s, const std::shared_ptr<WatchState>& ws, Writer* w) {
+    s->sock.async_receive(net::buffer(&ws->peek, 1), tcp::socket::message_peek,
+                          [s, ws, w](const error_code& ec, std::size_t n) {
+                            if (ec == net::error::operation_aborted) return;
+                            if (!ec && n > 0) return;  // a pipelined request
+                            if (ws->active) {
+                              ws->ended = true;
+                              w->client_gone().fire();
+                            } else {
+                              error_code e;
+                              s->sock.cancel(e);
+                            }
+                          });
   }
 
   // Answers and closes. Lingering close: the client may still be sending a body we refused (413);
@@ -582,7 +602,7 @@ class Server::Impl {
         Writer w(*s, keep_alive, req.method == "HEAD", opts.write_timeout_s, head_buf);
         auto ws = std::make_shared<WatchState>();
         active.fetch_add(1);
-        net::co_spawn(s->sock.get_executor(), watch(s, ws, &w), net::detached);
+        watch(s, ws, &w);
         std::string failure;
         try {
           co_await handler(req, w);
@@ -605,7 +625,7 @@ class Server::Impl {
           std::lock_guard lk(mu);
           cv.notify_all();
         }
-        if (w.must_close() || stopping.load()) break;
+        if (w.must_close() || ws->ended || stopping.load()) break;
       }
     } catch (const std::exception& e) {
       LS_LOG_DEBUG("http", "session ended: {}", e.what());

@@ -1,7 +1,8 @@
 // http/server.h: an HTTP/1.1 server on Boost.Beast/Asio with C++20 coroutines.
 //
 // Thread model: one io_context run by `threads` threads. Each accepted connection is one coroutine
-// on its own strand; its handler calls and every client call the handler makes run on that strand.
+// on its own strand (with one thread, on the io_context's executor: the thread serialises it
+// already); its handler calls and every client call the handler makes run on that executor.
 // Keep-alive: requests on a connection are served one after another.
 // Framing: our own strict HTTP/1.1 request parser (http/parse.h: what is refused, with which status).
 // Limits: headers > max_header_bytes -> 431; body > max_body_bytes -> 413 as soon as
@@ -11,8 +12,8 @@
 // (an eighth of the shortest timeout, 5-250 ms).
 // Connections: at most max_connections open; past it a new one is answered 503 and closed. An
 // accept that fails (out of descriptors) is retried after 50 ms, logged at most once a second.
-// Client disconnect: while the handler runs, a readiness wait on the socket notices the peer
-// closing (also before any response byte) and fires ResponseWriter::client_gone().
+// Client disconnect: while the handler runs, a one-byte peeking receive on the socket notices the
+// peer closing (also before any response byte) and fires ResponseWriter::client_gone().
 // Shutdown: stop() closes the acceptor and idle connections, lets running requests finish (their
 // connections then close) for up to `grace` seconds, then closes everything and joins the threads.
 // Thread-safety: Server members are thread-safe; a ResponseWriter belongs to its handler call.
@@ -62,6 +63,8 @@ class ResponseWriter {
   virtual ~ResponseWriter() = default;
   virtual Task<bool> send(Response response) = 0;
   // Headers now; body framed by `content_length` if given, else chunked (SSE works either way).
+  // `headers` are copied before start() first suspends (a caller may reuse them once co_await
+  // returns, or pass scratch headers another coroutine of this thread will overwrite later).
   virtual Task<bool> start(int status, const Headers& headers,
                            std::optional<std::uint64_t> content_length) = 0;
   virtual Task<bool> write(std::string_view data) = 0;

@@ -5,6 +5,7 @@
 #include "proxy/prompt_scan.h"
 
 #include <cstring>
+#include <memory>
 
 #include <fmt/format.h>
 #include <limits>
@@ -323,29 +324,41 @@ class Validator {
 // Chained block hasher: h_i = H(h_{i-1} || kind || payload).
 class BlockHasher {
  public:
-  BlockHasher(Hash128 seed, std::uint8_t kind, std::size_t group_bytes, std::vector<Hash128>& out)
-      : buf_(17 + group_bytes, '\0'), group_(group_bytes), out_(out) {
-    std::memcpy(buf_.data(), &seed, 16);
+  BlockHasher(const BlockHasher&) = delete;
+  BlockHasher& operator=(const BlockHasher&) = delete;
+  // `max_bytes`: an upper bound of the bytes the prompt can feed (the blocks are reserved for it).
+  BlockHasher(Hash128 seed, std::uint8_t kind, std::size_t group_bytes, std::size_t max_bytes,
+              std::vector<Hash128>& out)
+      : group_(group_bytes), out_(out) {
+    if (17 + group_bytes > sizeof inline_) {
+      heap_ = std::make_unique_for_overwrite<char[]>(17 + group_bytes);
+      buf_ = heap_.get();
+    }
+    std::memcpy(buf_, &seed, 16);
     buf_[16] = static_cast<char>(kind);
+    out_.reserve(out_.size() + max_bytes / group_bytes);
   }
   void feed(const char* p, std::size_t n) {
     while (n > 0) {
       std::size_t take = std::min(n, group_ - fill_);
-      std::memcpy(buf_.data() + 17 + fill_, p, take);
+      std::memcpy(buf_ + 17 + fill_, p, take);
       fill_ += take;
       p += take;
       n -= take;
       if (fill_ == group_) {
-        Hash128 h = hash128(buf_.data(), buf_.size());
+        Hash128 h = hash128(buf_, 17 + group_);
         out_.push_back(h);
-        std::memcpy(buf_.data(), &h, 16);
+        std::memcpy(buf_, &h, 16);
         fill_ = 0;
       }
     }
   }
 
  private:
-  std::string buf_;
+  // Blocks of up to 64 token ids (or 128 text bytes) are hashed from the stack.
+  char inline_[17 + 8 * 64];
+  std::unique_ptr<char[]> heap_;
+  char* buf_ = inline_;
   std::size_t group_;
   std::size_t fill_ = 0;
   std::vector<Hash128>& out_;
@@ -415,7 +428,8 @@ std::optional<ScanError> hash_prompt(Span s, std::string_view param, std::size_t
       return field_error(param, "must be a string or an array");
     case VType::kString: {
       out.kind = PromptKind::kText;
-      BlockHasher h(seed, 0x02, 4 * block_size, out.blocks);
+      // A text prompt feeds at most as many bytes as its JSON string holds.
+      BlockHasher h(seed, 0x02, 4 * block_size, static_cast<std::size_t>(s.end - s.begin), out.blocks);
       // Decode in pieces: raw runs are fed directly; escapes are decoded one by one.
       const char* p = s.begin + 1;
       const char* q = s.end - 1;
@@ -463,7 +477,8 @@ std::optional<ScanError> hash_prompt(Span s, std::string_view param, std::size_t
       }
       if (!first_int) return std::nullopt;  // strings, messages, floats: zero blocks
       out.kind = PromptKind::kTokenIds;
-      BlockHasher h(seed, 0x01, 8 * block_size, out.blocks);
+      // Each id takes at least two characters of the array ("1,"): at most len/2 ids of 8 bytes.
+      BlockHasher h(seed, 0x01, 8 * block_size, 8 * (static_cast<std::size_t>(s.end - s.begin) / 2 + 1), out.blocks);
       while (true) {
         p = skip_ws(p, s.end);
         std::int64_t v;

@@ -344,7 +344,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
   int attempts = 0;
   bool first = true;
   std::optional<http::Pool::Full> last_5xx;  // an upstream answer we retried (5xx, 429) kept for the final reply
-  std::string last_error = "no replica in service";
+  std::string last_error;  // set by each failed attempt (with none, the answer says no replica is in service)
   int last_status = 503;
   thread_local std::mt19937_64 jitter_rng{std::hash<std::thread::id>{}(std::this_thread::get_id())};
 
@@ -478,8 +478,10 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       co_await sleep_for(backoff);
       continue;
     }
-    // Relay.
-    http::Headers h = http::strip_hop_by_hop(up.headers());
+    // Relay. The head is built from thread-local scratch headers (their strings keep their
+    // capacity from request to request): start() copies them before it first suspends.
+    thread_local http::Headers h;
+    http::strip_hop_by_hop(up.headers(), h);
     h.remove("content-length");
     h.set("X-Request-Id", rid);
     h.add("X-Proxy-Upstream", std::to_string(pick));

@@ -240,6 +240,21 @@ TEST(ProxyConformance, BroadcastsFanInAndPrimary) {
   auto out = http::strip_hop_by_hop(in);
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out.items()[0].name, "X-Kept");
+  // The reusing form replaces what its output held (longer or shorter lists alike).
+  http::Headers reused;
+  for (int i = 0; i < 4; ++i) reused.add("X-Old-" + std::to_string(i), std::string(40, 'v'));
+  http::strip_hop_by_hop(in, reused);
+  ASSERT_EQ(reused.size(), 1u);
+  EXPECT_EQ(reused.items()[0].name, "X-Kept");
+  EXPECT_EQ(reused.items()[0].value, "2");
+  http::Headers more;
+  more.add("A", "1");
+  more.add("Keep-Alive", "timeout=5");
+  more.add("B-Long-Header-Name-Here", std::string(64, 'b'));
+  http::strip_hop_by_hop(more, reused);
+  ASSERT_EQ(reused.size(), 2u);
+  EXPECT_EQ(reused.items()[0].name, "A");
+  EXPECT_EQ(reused.items()[1].value, std::string(64, 'b'));
   int cookies = 0;
   for (const auto& x : si.headers) cookies += http::iequals(x.name, "set-cookie");
   EXPECT_EQ(cookies, 2);

@@ -1,6 +1,8 @@
 // The HTTP server's connection handling seen from a raw socket: a client that half-closes after its
-// request gets its answer and the close at once (not at the idle timeout), pipelined requests are
-// all answered, and a head that never ends gets 408 from the timeout sweeper.
+// request gets its answer and the close at once (not at the idle timeout), also when it half-closes
+// while the handler runs; a client that leaves mid-request is noticed (client_gone) at once;
+// pipelined requests are all answered; a head that never ends gets 408 from the timeout sweeper.
+// With one I/O thread (connections on the io_context's executor) and with two (a strand each).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -9,8 +11,15 @@
 
 #include <gtest/gtest.h>
 
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 
 #include "http/server.h"
 
@@ -65,8 +74,36 @@ std::size_t count(const std::string& s, const std::string& what) {
   return n;
 }
 
-TEST(HttpServer, AClientThatHalfClosesGetsItsAnswerAndTheCloseAtOnce) {
+// Answers after `delay_s`, or as soon as the client is gone (counted in `gone`).
+struct Slow {
+  std::atomic<int> gone{0};
+  Server server;
+  Slow(ServerOptions o, double delay_s)
+      : server(o, [this, delay_s](Request& req, ResponseWriter& w) -> Task<void> {
+          namespace net = boost::asio;
+          net::steady_timer t(co_await net::this_coro::executor,
+                              std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(delay_s)));
+          const auto id = w.client_gone().subscribe([&t] { t.cancel(); });
+          boost::system::error_code ec;
+          co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
+          w.client_gone().unsubscribe(id);
+          if (w.client_gone().fired()) {
+            gone.fetch_add(1);
+            w.abort();
+            co_return;
+          }
+          co_await w.send(json_response(200, "{\"path\":\"" + std::string(req.path()) + "\"}"));
+        }) {
+    server.start();
+  }
+};
+
+class HttpServerThreads : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(OneAndTwo, HttpServerThreads, ::testing::Values(1, 2));
+
+TEST_P(HttpServerThreads, AClientThatHalfClosesGetsItsAnswerAndTheCloseAtOnce) {
   ServerOptions o;
+  o.threads = GetParam();
   o.idle_timeout_s = 30;  // a close that waited for it would fail the test
   Echo e(o);
   for (int i = 0; i < 20; ++i) {
@@ -85,8 +122,52 @@ TEST(HttpServer, AClientThatHalfClosesGetsItsAnswerAndTheCloseAtOnce) {
   }
 }
 
-TEST(HttpServer, PipelinedRequestsAreAllAnsweredInOrder) {
+// The end of stream arrives while the handler runs: like a departure (the server cannot tell a
+// half-close from one), it fires client_gone, and the connection ends at once, not at the idle
+// timeout (the end, seen by the server's watch, is not waited for a second time).
+TEST_P(HttpServerThreads, AClientThatHalfClosesDuringItsRequestEndsTheConnectionAtOnce) {
   ServerOptions o;
+  o.threads = GetParam();
+  o.idle_timeout_s = 30;
+  Slow e(o, 10.0);
+  for (int i = 0; i < 5; ++i) {
+    const int fd = connect_to(e.server.port());
+    const std::string req = "GET /h HTTP/1.1\r\nHost: x\r\n\r\n";
+    ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the handler is waiting
+    ::shutdown(fd, SHUT_WR);
+    bool closed = false;
+    const auto t0 = Clock::now();
+    read_until_close(fd, 5, closed);
+    ::close(fd);
+    EXPECT_TRUE(closed);
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0) << "closed at a timeout, not at once";
+    EXPECT_EQ(e.gone.load(), i + 1);
+  }
+}
+
+// A client that closes while its request runs is noticed at once: the handler's client_gone fires.
+TEST_P(HttpServerThreads, AClientThatLeavesMidRequestIsNoticedAtOnce) {
+  ServerOptions o;
+  o.threads = GetParam();
+  Slow e(o, 10.0);
+  for (int i = 0; i < 5; ++i) {
+    const int fd = connect_to(e.server.port());
+    const std::string req = "GET /l HTTP/1.1\r\nHost: x\r\n\r\n";
+    ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the handler is waiting
+    ::close(fd);
+    const auto t0 = Clock::now();
+    while (e.gone.load() <= i && Clock::now() - t0 < std::chrono::seconds(5))
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_EQ(e.gone.load(), i + 1) << "departure " << i << " not noticed";
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0);
+  }
+}
+
+TEST_P(HttpServerThreads, PipelinedRequestsAreAllAnsweredInOrder) {
+  ServerOptions o;
+  o.threads = GetParam();
   o.idle_timeout_s = 30;
   Echo e(o);
   const int fd = connect_to(e.server.port());

@@ -30,7 +30,10 @@ std::optional<ScanError> scan_err(const std::string& body) {
 
 std::string ids(int n, int base = 0) {
   std::string s = "[";
-  for (int i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string(base + i);
+  for (int i = 0; i < n; ++i) {
+    if (i) s += ',';
+    s += std::to_string(base + i);
+  }
   return s + "]";
 }
 
@@ -39,6 +42,39 @@ TEST(Scan, WholeBlocksOnly) {
   EXPECT_EQ(scan_ok(R"({"prompt":")" + std::string(63, 'x') + "\"}").blocks.size(), 0u);
   EXPECT_EQ(scan_ok(R"({"prompt":")" + std::string(128, 'x') + "\"}").blocks.size(), 2u);
   EXPECT_EQ(scan_ok(R"({"prompt":)" + ids(16) + "}").kind, PromptKind::kTokenIds);
+}
+
+// h_i = H(h_{i-1} || kind || payload) from h_0 = H(model), recomputed here for block sizes on
+// both sides of the scanner's stack buffer (64 ids, 128 text bytes) and for text and ids.
+TEST(Scan, BlockHashesFollowTheFormulaForSmallAndLargeBlocks) {
+  for (std::size_t bs : {1, 16, 64, 65, 100}) {
+    const int n = static_cast<int>(3 * bs + bs / 2);  // three whole blocks and a partial one
+    auto s = scan_ok(R"({"model":"m","prompt":)" + ids(n, 7) + "}", bs);
+    ASSERT_EQ(s.blocks.size(), 3u) << bs;
+    Hash128 prev = hash128(std::string_view("m"));
+    for (std::size_t b = 0; b < 3; ++b) {
+      std::string buf(reinterpret_cast<const char*>(&prev), 16);
+      buf += '\x01';
+      for (std::size_t i = 0; i < bs; ++i) {
+        const std::int64_t v = 7 + static_cast<std::int64_t>(b * bs + i);
+        buf.append(reinterpret_cast<const char*>(&v), 8);
+      }
+      prev = hash128(buf);
+      EXPECT_EQ(s.blocks[b], prev) << "ids, block size " << bs << ", block " << b;
+    }
+    std::string text;
+    for (std::size_t i = 0; i < 3 * 4 * bs + 2 * bs; ++i) text += static_cast<char>('a' + i % 26);
+    auto t = scan_ok(R"({"model":"m","prompt":")" + text + "\"}", bs);
+    ASSERT_EQ(t.blocks.size(), 3u) << bs;
+    prev = hash128(std::string_view("m"));
+    for (std::size_t b = 0; b < 3; ++b) {
+      std::string buf(reinterpret_cast<const char*>(&prev), 16);
+      buf += '\x02';
+      buf += text.substr(b * 4 * bs, 4 * bs);
+      prev = hash128(buf);
+      EXPECT_EQ(t.blocks[b], prev) << "text, block size " << bs << ", block " << b;
+    }
+  }
 }
 
 TEST(Scan, ChainedAndModelSeeded) {
