@@ -4,6 +4,7 @@
 // (WTF-8), which is what a permissive decoder does.
 #include "proxy/prompt_scan.h"
 
+#include <bit>
 #include <cstring>
 #include <memory>
 
@@ -82,8 +83,50 @@ class Validator {
     return true;
   }
 
-  // The top-level object, recording values of interesting keys (last wins).
-  bool top_object(const char* const* keys, Span* spans, int n_keys) {
+  // An array of JSON integers, each within int64, validated and parsed into `out` in one pass.
+  // Anything else (empty, a fraction or an exponent, 19 digits or more, a leading zero, another
+  // type, a syntax error) returns false with the position restored: the generic validation then
+  // runs (and reports what is wrong) and the prompt's hashing parses the span itself.
+  bool int_array(std::vector<std::int64_t>& out) {
+    const char* const start = p_;
+    out.clear();
+    ++p_;  // '['
+    for (;;) {
+      ws();
+      bool neg = false;
+      if (p_ < end_ && *p_ == '-') {
+        neg = true;
+        ++p_;
+      }
+      const char* const ds = p_;
+      std::uint64_t acc = 0;
+      while (p_ < end_ && p_ - ds < 18 && *p_ >= '0' && *p_ <= '9') acc = acc * 10 + static_cast<std::uint64_t>(*p_++ - '0');
+      const bool ok = p_ > ds && !(*ds == '0' && p_ - ds > 1) &&
+                      !(p_ < end_ && ((*p_ >= '0' && *p_ <= '9') || *p_ == '.' || *p_ == 'e' || *p_ == 'E'));
+      if (!ok) {
+        p_ = start;
+        return false;
+      }
+      out.push_back(neg ? static_cast<std::int64_t>(~acc + 1) : static_cast<std::int64_t>(acc));
+      ws();
+      if (p_ < end_ && *p_ == ',') {
+        ++p_;
+        continue;
+      }
+      if (p_ < end_ && *p_ == ']') {
+        ++p_;
+        return true;
+      }
+      p_ = start;
+      return false;
+    }
+  }
+
+  // The top-level object, recording values of interesting keys (last wins). With `ids`, the
+  // values of keys[i] that are arrays of integers are also parsed into ids[i] (`captured[i]`
+  // says whether the recorded value was), so the prompt's integers are read once.
+  bool top_object(const char* const* keys, Span* spans, int n_keys, std::vector<std::int64_t>* ids = nullptr,
+                  bool* captured = nullptr) {
     ws();
     if (p_ >= end_ || *p_ != '{') return fail("the request body must be a JSON object");
     ++p_;
@@ -104,9 +147,19 @@ class Validator {
       if (p_ >= end_ || *p_ != ':') return fail("expected ':'");
       ++p_;
       Span s;
-      if (!value(1, &s)) return false;
+      int which = -1;
       for (int i = 0; i < n_keys; ++i)
-        if (key == keys[i]) spans[i] = s;
+        if (key == keys[i]) which = i;
+      ws();
+      const char* const vs = p_;
+      if (ids && which >= 0 && p_ < end_ && *p_ == '[' && int_array(ids[which])) {
+        s = {vs, p_, VType::kArray};
+        captured[which] = true;
+      } else {
+        if (!value(1, &s)) return false;
+        if (captured && which >= 0) captured[which] = false;
+      }
+      if (which >= 0) spans[which] = s;
       ws();
       if (p_ < end_ && *p_ == ',') {
         ++p_;
@@ -416,7 +469,15 @@ const char* skip_value(const char* p, const char* e) {
 }
 
 std::optional<ScanError> hash_prompt(Span s, std::string_view param, std::size_t block_size,
-                                     Hash128 seed, PromptScan& out) {
+                                     Hash128 seed, PromptScan& out, const std::vector<std::int64_t>* ids = nullptr) {
+  if (ids) {  // an array of integers, already validated and parsed: token ids
+    out.kind = PromptKind::kTokenIds;
+    BlockHasher h(seed, 0x01, 8 * block_size, 8 * ids->size(), out.blocks);
+    static_assert(std::endian::native == std::endian::little, "token ids are hashed as little-endian int64");
+    h.feed(reinterpret_cast<const char*>(ids->data()), 8 * ids->size());
+    out.n_units += ids->size();
+    return std::nullopt;
+  }
   switch (s.type) {
     case VType::kNone:
     case VType::kNull:
@@ -508,16 +569,19 @@ std::optional<ScanError> scan_routed_request(std::string_view body, std::size_t 
   out = PromptScan{};
   static const char* const kKeys[] = {"model", "prompt", "messages"};
   Span spans[3];
+  // The integers of `prompt` and `messages` when they are token ids (reused from call to call).
+  thread_local std::vector<std::int64_t> ids[3];
+  bool captured[3] = {false, false, false};
   Validator v(body.data(), body.data() + body.size());
-  if (!v.top_object(kKeys, spans, 3) || !v.at_end())
+  if (!v.top_object(kKeys, spans, 3, ids, captured) || !v.at_end())
     return ScanError{"invalid JSON body: " + (v.error().empty() ? std::string("trailing data") : v.error()), ""};
   if (spans[0].present()) {
     if (spans[0].type != VType::kString) return ScanError{"'model' must be a string", "model"};
     Validator::decode_string(spans[0].begin, spans[0].end, out.model);
   }
   Hash128 seed = hash128(out.model);
-  if (spans[1].present()) return hash_prompt(spans[1], "prompt", block_size, seed, out);
-  if (spans[2].present()) return hash_prompt(spans[2], "messages", block_size, seed, out);
+  if (spans[1].present()) return hash_prompt(spans[1], "prompt", block_size, seed, out, captured[1] ? &ids[1] : nullptr);
+  if (spans[2].present()) return hash_prompt(spans[2], "messages", block_size, seed, out, captured[2] ? &ids[2] : nullptr);
   return std::nullopt;
 }
 

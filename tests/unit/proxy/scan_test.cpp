@@ -77,6 +77,70 @@ TEST(Scan, BlockHashesFollowTheFormulaForSmallAndLargeBlocks) {
   }
 }
 
+// The blocks of token ids h_1..h_n computed from the spec's formula.
+std::vector<Hash128> formula_blocks(std::string_view model, const std::vector<std::int64_t>& v, std::size_t bs) {
+  std::vector<Hash128> out;
+  Hash128 prev = hash128(model);
+  for (std::size_t b = 0; (b + 1) * bs <= v.size(); ++b) {
+    std::string buf(reinterpret_cast<const char*>(&prev), 16);
+    buf += '\x01';
+    buf.append(reinterpret_cast<const char*>(v.data() + b * bs), 8 * bs);
+    prev = hash128(buf);
+    out.push_back(prev);
+  }
+  return out;
+}
+
+// Token ids are parsed while the body is validated (one pass): random arrays (signs, 1-18 digits,
+// random whitespace, keys in any order, a duplicate `prompt` where the last one wins) give the
+// formula's blocks; ids the one-pass parse leaves to the generic path (19 digits) the same.
+TEST(Scan, TokenIdsReadInTheValidatingPassGiveTheFormulasBlocks) {
+  std::mt19937_64 rng(7);
+  const char* const kWs[] = {"", " ", "\n", "\t ", "\r\n  "};
+  for (int it = 0; it < 300; ++it) {
+    const std::size_t bs = 1 + rng() % 20;
+    std::vector<std::int64_t> v(rng() % 90);
+    std::string arr = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const int digits = 1 + static_cast<int>(rng() % (it % 10 == 0 ? 19 : 18));
+      std::int64_t x = 0;
+      for (int d = 0; d < digits; ++d) x = x * 10 + static_cast<std::int64_t>(d == 0 ? 1 + rng() % 9 : rng() % 10);
+      if (digits == 1 && rng() % 4 == 0) x = 0;
+      if (rng() % 3 == 0) x = -x;
+      v[i] = x;
+      arr += kWs[rng() % 5];
+      arr += std::to_string(x);
+      arr += kWs[rng() % 5];
+      if (i + 1 < v.size()) arr += ',';
+    }
+    arr += "]";
+    std::string model = "m";
+    model += std::to_string(rng() % 3);
+    std::string body;
+    switch (rng() % 3) {
+      case 0: body = R"({"model":")" + model + R"(","prompt":)" + arr + "}"; break;
+      case 1: body = R"({"prompt":)" + arr + R"(,"max_tokens":8,"model":")" + model + "\"}"; break;
+      default: body = R"({"prompt":"replaced","model":")" + model + R"(","prompt":)" + arr + R"(,"messages":[1,2]})"; break;
+    }
+    const PromptScan sc = scan_ok(body, bs);
+    if (v.empty()) {
+      EXPECT_TRUE(sc.blocks.empty()) << body;
+      continue;
+    }
+    EXPECT_EQ(sc.kind, PromptKind::kTokenIds) << body;
+    EXPECT_EQ(sc.n_units, v.size()) << body;
+    EXPECT_EQ(sc.blocks, formula_blocks(model, v, bs)) << body;
+  }
+  // The last duplicate wins in both directions.
+  const std::string ids16 = ids(16);
+  EXPECT_EQ(scan_ok(R"({"prompt":)" + ids16 + R"(,"prompt":")" + std::string(64, 'x') + "\"}").kind, PromptKind::kText);
+  EXPECT_EQ(scan_ok(R"({"prompt":")" + std::string(64, 'x') + R"(","prompt":)" + ids16 + "}").kind, PromptKind::kTokenIds);
+  // `messages` counts only without `prompt`; as token ids it is hashed the same way.
+  std::vector<std::int64_t> v16(16);
+  for (int i = 0; i < 16; ++i) v16[static_cast<std::size_t>(i)] = i;
+  EXPECT_EQ(scan_ok(R"({"messages":)" + ids16 + "}").blocks, formula_blocks("", v16, 16));
+}
+
 TEST(Scan, ChainedAndModelSeeded) {
   auto a = scan_ok(R"({"model":"policy-v1","prompt":)" + ids(48) + "}");
   auto b = scan_ok(R"({"model":"policy-v2","prompt":)" + ids(48) + "}");
