@@ -64,6 +64,21 @@ class Validator {
   }
   const char* pos() const { return p_; }
 
+  // After an element of an array or object: skips whitespace, then consumes a ',' (1: another
+  // element follows) or `close` (0: the end); anything else is left in place (-1).
+  int after_element(char close) {
+    ws();
+    if (p_ < end_ && *p_ == ',') {
+      ++p_;
+      return 1;
+    }
+    if (p_ < end_ && *p_ == close) {
+      ++p_;
+      return 0;
+    }
+    return -1;
+  }
+
   // One value; fills `span` with its extent and type.
   bool value(int depth, Span* span) {
     ws();
@@ -108,15 +123,9 @@ class Validator {
         return false;
       }
       out.push_back(neg ? static_cast<std::int64_t>(~acc + 1) : static_cast<std::int64_t>(acc));
-      ws();
-      if (p_ < end_ && *p_ == ',') {
-        ++p_;
-        continue;
-      }
-      if (p_ < end_ && *p_ == ']') {
-        ++p_;
-        return true;
-      }
+      const int next = after_element(']');
+      if (next > 0) continue;
+      if (next == 0) return true;
       p_ = start;
       return false;
     }
@@ -160,15 +169,9 @@ class Validator {
         if (captured && which >= 0) captured[which] = false;
       }
       if (which >= 0) spans[which] = s;
-      ws();
-      if (p_ < end_ && *p_ == ',') {
-        ++p_;
-        continue;
-      }
-      if (p_ < end_ && *p_ == '}') {
-        ++p_;
-        return true;
-      }
+      const int next = after_element('}');
+      if (next > 0) continue;
+      if (next == 0) return true;
       return fail("expected ',' or '}' in object");
     }
   }
@@ -333,15 +336,9 @@ class Validator {
       if (p_ >= end_ || *p_ != ':') return fail("expected ':'");
       ++p_;
       if (!value(depth, nullptr)) return false;
-      ws();
-      if (p_ < end_ && *p_ == ',') {
-        ++p_;
-        continue;
-      }
-      if (p_ < end_ && *p_ == '}') {
-        ++p_;
-        return true;
-      }
+      const int next = after_element('}');
+      if (next > 0) continue;
+      if (next == 0) return true;
       return fail("expected ',' or '}' in object");
     }
   }
@@ -356,15 +353,9 @@ class Validator {
     }
     while (true) {
       if (!value(depth, nullptr)) return false;
-      ws();
-      if (p_ < end_ && *p_ == ',') {
-        ++p_;
-        continue;
-      }
-      if (p_ < end_ && *p_ == ']') {
-        ++p_;
-        return true;
-      }
+      const int next = after_element(']');
+      if (next > 0) continue;
+      if (next == 0) return true;
       return fail("expected ',' or ']' in array");
     }
   }

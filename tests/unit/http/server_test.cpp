@@ -98,6 +98,15 @@ struct Slow {
   }
 };
 
+// A connection whose GET `path` the server's handler has started (50 ms after sending it).
+int request_in_flight(std::uint16_t port, const std::string& path) {
+  const int fd = connect_to(port);
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+  EXPECT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  return fd;
+}
+
 class HttpServerThreads : public ::testing::TestWithParam<int> {};
 INSTANTIATE_TEST_SUITE_P(OneAndTwo, HttpServerThreads, ::testing::Values(1, 2));
 
@@ -131,10 +140,7 @@ TEST_P(HttpServerThreads, AClientThatHalfClosesDuringItsRequestEndsTheConnection
   o.idle_timeout_s = 30;
   Slow e(o, 10.0);
   for (int i = 0; i < 5; ++i) {
-    const int fd = connect_to(e.server.port());
-    const std::string req = "GET /h HTTP/1.1\r\nHost: x\r\n\r\n";
-    ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the handler is waiting
+    const int fd = request_in_flight(e.server.port(), "/h");
     ::shutdown(fd, SHUT_WR);
     bool closed = false;
     const auto t0 = Clock::now();
@@ -152,11 +158,7 @@ TEST_P(HttpServerThreads, AClientThatLeavesMidRequestIsNoticedAtOnce) {
   o.threads = GetParam();
   Slow e(o, 10.0);
   for (int i = 0; i < 5; ++i) {
-    const int fd = connect_to(e.server.port());
-    const std::string req = "GET /l HTTP/1.1\r\nHost: x\r\n\r\n";
-    ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the handler is waiting
-    ::close(fd);
+    ::close(request_in_flight(e.server.port(), "/l"));
     const auto t0 = Clock::now();
     while (e.gone.load() <= i && Clock::now() - t0 < std::chrono::seconds(5))
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
