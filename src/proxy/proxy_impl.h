@@ -127,7 +127,11 @@ class Proxy::Impl {
 
   // proxy.cpp
   http::Task<void> handle(http::Request& req, http::ResponseWriter& w);
-  http::Task<void> handle_relay(http::Request& req, http::ResponseWriter& w, bool routed, const std::string& rid);
+  http::Task<void> handle_other(http::Request& req, http::ResponseWriter& w);
+  // `rid` by value: the coroutine keeps its own copy (its caller may return before it ends).
+  http::Task<void> handle_relay(http::Request& req, http::ResponseWriter& w, bool routed, std::string rid);
+  static std::string request_id(const http::Request& req);  // X-Request-Id if usable, else a new one
+  bool authorized(const http::Request& req) const;            // the API key, when one is set
   http::Headers upstream_headers(const http::Request& req, const std::string& rid) const;
   std::string redact(std::string s) const;
   http::CallOptions call_options(double total, http::CancelSignal* cancel = nullptr, bool fresh = false) const;

@@ -643,6 +643,9 @@ TEST(ProxyConformance, AuthTokenAndBadInput) {
   http::Headers bad;
   bad.add("Authorization", "Bearer nope");
   EXPECT_EQ(call(f.port(), "GET", "/proxy/stats", "", bad).status, 401);
+  // The routed path too (it is dispatched before the others): without a key, with a wrong one.
+  EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1})).status, 401);
+  EXPECT_EQ(call(f.port(), "POST", "/v1/chat/completions", ids_prompt({1}), bad).status, 401);
   http::Headers good;
   good.add("Authorization", "Bearer k3y");
   EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1}), good).status, 200);
