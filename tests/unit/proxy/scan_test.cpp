@@ -103,8 +103,9 @@ TEST(Scan, TokenIdsReadInTheValidatingPassGiveTheFormulasBlocks) {
     std::string arr = "[";
     for (std::size_t i = 0; i < v.size(); ++i) {
       const int digits = 1 + static_cast<int>(rng() % (it % 10 == 0 ? 19 : 18));
-      std::int64_t x = 0;
-      for (int d = 0; d < digits; ++d) x = x * 10 + static_cast<std::int64_t>(d == 0 ? 1 + rng() % 9 : rng() % 10);
+      // (19 digits lead with 1-8: at most 8.99e18, within int64.)
+      std::int64_t x = static_cast<std::int64_t>(1 + rng() % (digits == 19 ? 8 : 9));
+      for (int d = 1; d < digits; ++d) x = x * 10 + static_cast<std::int64_t>(rng() % 10);
       if (digits == 1 && rng() % 4 == 0) x = 0;
       if (rng() % 3 == 0) x = -x;
       v[i] = x;
