@@ -50,6 +50,38 @@ void append_utf8(std::uint32_t cp, std::string& out) {
   }
 }
 
+// Parses one validated JSON integer token at p (no fraction/exponent). False if it is not an
+// integer within int64.
+bool parse_int64(const char*& p, const char* e, std::int64_t& v) {
+  const char* s = p;
+  bool neg = false;
+  if (p < e && *p == '-') {
+    neg = true;
+    ++p;
+  }
+  const std::uint64_t limit = neg ? std::uint64_t{1} << 63 : (std::uint64_t{1} << 63) - 1;
+  std::uint64_t acc = 0;
+  bool overflow = false;
+  const char* ds = p;
+  // Up to 18 digits cannot overflow (10^18 < 2^63): no check per digit there (a division per
+  // digit was the scan's largest cost on token-id prompts).
+  while (p < e && p - ds < 18 && *p >= '0' && *p <= '9') acc = acc * 10 + static_cast<std::uint64_t>(*p++ - '0');
+  while (p < e && *p >= '0' && *p <= '9') {
+    auto d = static_cast<std::uint64_t>(*p - '0');
+    if (acc > (limit - d) / 10) overflow = true;
+    else acc = acc * 10 + d;
+    ++p;
+  }
+  if (p == ds) {
+    p = s;
+    return false;
+  }
+  if (p < e && (*p == '.' || *p == 'e' || *p == 'E')) return false;
+  if (overflow) return false;
+  v = neg ? static_cast<std::int64_t>(~acc + 1) : static_cast<std::int64_t>(acc);
+  return true;
+}
+
 // Validating pass.
 class Validator {
  public:
@@ -98,31 +130,25 @@ class Validator {
     return true;
   }
 
-  // An array of JSON integers, each within int64, validated and parsed into `out` in one pass.
-  // Anything else (empty, a fraction or an exponent, 19 digits or more, a leading zero, another
-  // type, a syntax error) returns false with the position restored: the generic validation then
-  // runs (and reports what is wrong) and the prompt's hashing parses the span itself.
+  // An array of JSON integers, each within int64, validated and parsed into `out` in one pass
+  // (parse_int64, as the prompt's hashing would). Anything else (empty, a fraction or an exponent,
+  // out of range, a leading zero, another type, a syntax error) returns false with the position
+  // restored: the generic validation then runs (and reports what is wrong) and the hashing parses
+  // the span itself.
   bool int_array(std::vector<std::int64_t>& out) {
     const char* const start = p_;
     out.clear();
     ++p_;  // '['
     for (;;) {
       ws();
-      bool neg = false;
-      if (p_ < end_ && *p_ == '-') {
-        neg = true;
-        ++p_;
-      }
-      const char* const ds = p_;
-      std::uint64_t acc = 0;
-      while (p_ < end_ && p_ - ds < 18 && *p_ >= '0' && *p_ <= '9') acc = acc * 10 + static_cast<std::uint64_t>(*p_++ - '0');
-      const bool ok = p_ > ds && !(*ds == '0' && p_ - ds > 1) &&
-                      !(p_ < end_ && ((*p_ >= '0' && *p_ <= '9') || *p_ == '.' || *p_ == 'e' || *p_ == 'E'));
-      if (!ok) {
+      const char* const digits = p_ < end_ && *p_ == '-' ? p_ + 1 : p_;
+      const bool leading_zero = digits + 1 < end_ && digits[0] == '0' && digits[1] >= '0' && digits[1] <= '9';
+      std::int64_t v = 0;
+      if (leading_zero || !parse_int64(p_, end_, v)) {
         p_ = start;
         return false;
       }
-      out.push_back(neg ? static_cast<std::int64_t>(~acc + 1) : static_cast<std::int64_t>(acc));
+      out.push_back(v);
       const int next = after_element(']');
       if (next > 0) continue;
       if (next == 0) return true;
@@ -418,38 +444,6 @@ ScanError field_error(std::string_view param, const char* what) {
 const char* skip_ws(const char* p, const char* e) {
   while (p < e && is_ws(*p)) ++p;
   return p;
-}
-
-// Parses one validated JSON integer token at p (no fraction/exponent). False if it is not an
-// integer within int64.
-bool parse_int64(const char*& p, const char* e, std::int64_t& v) {
-  const char* s = p;
-  bool neg = false;
-  if (p < e && *p == '-') {
-    neg = true;
-    ++p;
-  }
-  const std::uint64_t limit = neg ? std::uint64_t{1} << 63 : (std::uint64_t{1} << 63) - 1;
-  std::uint64_t acc = 0;
-  bool overflow = false;
-  const char* ds = p;
-  // Up to 18 digits cannot overflow (10^18 < 2^63): no check per digit there (a division per
-  // digit was the scan's largest cost on token-id prompts).
-  while (p < e && p - ds < 18 && *p >= '0' && *p <= '9') acc = acc * 10 + static_cast<std::uint64_t>(*p++ - '0');
-  while (p < e && *p >= '0' && *p <= '9') {
-    auto d = static_cast<std::uint64_t>(*p - '0');
-    if (acc > (limit - d) / 10) overflow = true;
-    else acc = acc * 10 + d;
-    ++p;
-  }
-  if (p == ds) {
-    p = s;
-    return false;
-  }
-  if (p < e && (*p == '.' || *p == 'e' || *p == 'E')) return false;
-  if (overflow) return false;
-  v = neg ? static_cast<std::int64_t>(~acc + 1) : static_cast<std::int64_t>(acc);
-  return true;
 }
 
 // Skips one validated value starting at p (used to step over array elements).

@@ -109,6 +109,7 @@ class CachedTokensMatcher {
 }  // namespace
 
 Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)) {
+  if (!cfg.api_key.empty()) api_key_digest = sha256_hex(cfg.api_key);
   http::ClientOptions co;
   co.connect_timeout_s = cfg.connect_timeout;
   co.keepalive_s = cfg.upstream_keepalive;
@@ -210,9 +211,9 @@ bool Proxy::Impl::authorized(const http::Request& req) const {
   if (a == nullptr) return false;
   std::string given = (a->size() > 7 && http::iequals(a->substr(0, 7), "Bearer ")) ? a->substr(7) : std::string();
   // Compared as digests, every byte: no timing signal about how much of the key matched.
-  const std::string d1 = sha256_hex(given), d2 = sha256_hex(cfg.api_key);
+  const std::string d1 = sha256_hex(given);
   unsigned char diff = 0;
-  for (std::size_t i = 0; i < d1.size(); ++i) diff |= static_cast<unsigned char>(d1[i] ^ d2[i]);
+  for (std::size_t i = 0; i < d1.size(); ++i) diff |= static_cast<unsigned char>(d1[i] ^ api_key_digest[i]);
   return diff == 0;
 }
 

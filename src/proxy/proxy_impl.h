@@ -92,6 +92,7 @@ class Proxy::Impl {
   explicit Impl(ProxyConfig c);
 
   ProxyConfig cfg;
+  std::string api_key_digest;  // sha256_hex(cfg.api_key), once (empty: no key)
   Router router;
   Metrics metrics;
   // Declared before the replicas so their pooled sockets are closed while the io_context lives.

@@ -91,9 +91,9 @@ std::vector<Hash128> formula_blocks(std::string_view model, const std::vector<st
   return out;
 }
 
-// Token ids are parsed while the body is validated (one pass): random arrays (signs, 1-18 digits,
+// Token ids are parsed while the body is validated (one pass): random arrays (signs, 1-19 digits,
 // random whitespace, keys in any order, a duplicate `prompt` where the last one wins) give the
-// formula's blocks; ids the one-pass parse leaves to the generic path (19 digits) the same.
+// formula's blocks.
 TEST(Scan, TokenIdsReadInTheValidatingPassGiveTheFormulasBlocks) {
   std::mt19937_64 rng(7);
   const char* const kWs[] = {"", " ", "\n", "\t ", "\r\n  "};
