@@ -19,6 +19,7 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -49,6 +50,7 @@ struct BenchProxyOptions {
   // it in the same run. Never committed here.
   std::string reference;
   std::string python = "python3";
+  int rounds = 1;  // ours and the reference alternated this many times per concurrency
 };
 
 std::uint16_t free_port() {
@@ -95,10 +97,28 @@ Child spawn_proxy(const std::vector<std::string>& upstreams, int threads) {
       args.push_back("--upstream");
       args.push_back(u);
     }
+    // LORASYNC_BENCH_PROXY_WRAPPER (for profiling, docs/benchmarks.md): a command the proxy runs
+    // under, split on spaces, e.g. "valgrind --tool=callgrind --instr-atstart=no".
+    std::string exe = "/proc/self/exe";
+    if (const char* w = std::getenv("LORASYNC_BENCH_PROXY_WRAPPER"); w != nullptr && *w != 0) {
+      char self[4096];
+      const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+      if (n <= 0) _exit(127);
+      self[n] = 0;
+      std::vector<std::string> wrapped;
+      for (const auto& part : split(w, ' '))
+        if (!part.empty()) wrapped.emplace_back(part);
+      if (wrapped.empty()) _exit(127);
+      exe = wrapped.front();
+      wrapped.emplace_back(self);
+      wrapped.insert(wrapped.end(), args.begin() + 1, args.end());
+      args = std::move(wrapped);
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    execv("/proc/self/exe", argv.data());
+    if (exe.find('/') == std::string::npos) execvp(exe.c_str(), argv.data());
+    else execv(exe.c_str(), argv.data());
     _exit(127);
   }
   close(fds[1]);
@@ -239,10 +259,10 @@ RunResult drive(const std::vector<std::string>& urls, const std::vector<bench::T
 }
 
 // A Pool's connections belong to the io_context that opened them: use a fresh pool here.
-nlohmann::json get_json(const http::Pool& base, const std::string& target) {
+nlohmann::json get_json(const std::string& base_url, const std::string& target) {
   std::string err;
   boost::asio::io_context ioc;  // outlives the pool
-  http::Pool pool(*http::Url::parse(base.url().str(), err), http::ClientOptions{});
+  http::Pool pool(*http::Url::parse(base_url, err), http::ClientOptions{});
   nlohmann::json out;
   boost::asio::co_spawn(ioc, [&]() -> http::Task<void> {
     auto f = co_await pool.fetch({"GET", target, nullptr, ""}, http::CallOptions{}, 16 << 20);
@@ -272,92 +292,151 @@ int run(const BenchProxyOptions& o) {
     bench::TraceOptions to;
     to.prompts = o.prompts;
     auto trace = bench::make_grpo_trace(to);
-    http::ClientOptions co;
-    co.max_connections = 1024;
     // Baseline: direct to the stubs.
-    std::vector<std::unique_ptr<http::Pool>> direct;
-    std::string err;
-    direct.push_back(std::make_unique<http::Pool>(*http::Url::parse(s0.url(), err), co));
-    direct.push_back(std::make_unique<http::Pool>(*http::Url::parse(s1.url(), err), co));
     RunResult base = drive({s0.url(), s1.url()}, trace, conc, o.client_threads);
-    // Through the proxy (fresh stubs' cache would be polluted; counters are read from the proxy).
-    std::uint64_t p0 = s0.prompt_tokens() + s1.prompt_tokens(), c0 = s0.cached_tokens() + s1.cached_tokens();
-    Child ch = spawn_proxy({s0.url(), s1.url()}, o.proxy_threads);
-    std::vector<std::unique_ptr<http::Pool>> via;
-    via.push_back(std::make_unique<http::Pool>(*http::Url::parse("http://127.0.0.1:" + std::to_string(ch.port), err), co));
-    // Reset the stubs' caches so prefill reuse reflects the proxy's routing only.
-    get_json(*direct[0], "/reset_prefix_cache");
-    get_json(*direct[1], "/reset_prefix_cache");
-    double cpu0 = proc_cpu_s(ch.pid);
-    RunResult prox = drive({via[0]->url().str()}, trace, conc, o.client_threads);
-    double cpu = proc_cpu_s(ch.pid) - cpu0;
-    double rss = proc_hwm_mb(ch.pid);
-    nlohmann::json stats = get_json(*via[0], "/proxy/stats");
-    kill(ch.pid, SIGTERM);
-    int st;
-    waitpid(ch.pid, &st, 0);
-    std::uint64_t pt = s0.prompt_tokens() + s1.prompt_tokens() - p0, ct = s0.cached_tokens() + s1.cached_tokens() - c0;
-    // The reference proxy, same stubs, same trace, caches reset again.
+    // Rounds: ours then the reference, each from cold stub caches, `rounds` times (the VM's noise
+    // moves single figures by tens of per cent; the medians and the per-round pairs are reported).
+    struct Ours {
+      RunResult run;
+      double cpu_ms = 0, rss = 0, reuse = 0, unmatched = 0, affinity = 0, spilled = 0;
+      nlohmann::json router;
+    };
     struct Ref {
       RunResult run;
-      double cpu = 0, unmatched = 0;
+      double cpu_ms = 0, unmatched = 0, spilled = 0;
     };
-    std::optional<Ref> ref;
-    if (!o.reference.empty()) {
-      get_json(*direct[0], "/reset_prefix_cache");
-      get_json(*direct[1], "/reset_prefix_cache");
+    std::vector<Ours> ours;
+    std::vector<Ref> refs;
+    const double n_req = static_cast<double>(trace.size());
+    for (int round = 0; round < std::max(1, o.rounds); ++round) {
+      Ours u;
+      // Reset the stubs' caches so prefill reuse reflects the proxy's routing only.
+      get_json(s0.url(), "/reset_prefix_cache");
+      get_json(s1.url(), "/reset_prefix_cache");
+      const std::uint64_t p0 = s0.prompt_tokens() + s1.prompt_tokens(), c0 = s0.cached_tokens() + s1.cached_tokens();
+      Child ch = spawn_proxy({s0.url(), s1.url()}, o.proxy_threads);
+      const std::string via = "http://127.0.0.1:" + std::to_string(ch.port);
+      const double cpu0 = proc_cpu_s(ch.pid);
+      u.run = drive({via}, trace, conc, o.client_threads);
+      u.cpu_ms = (proc_cpu_s(ch.pid) - cpu0) * 1000.0 / n_req;
+      u.rss = proc_hwm_mb(ch.pid);
+      const nlohmann::json stats = get_json(via, "/proxy/stats");
+      kill(ch.pid, SIGTERM);
+      int st;
+      waitpid(ch.pid, &st, 0);
+      const std::uint64_t pt = s0.prompt_tokens() + s1.prompt_tokens() - p0,
+                          ct = s0.cached_tokens() + s1.cached_tokens() - c0;
+      u.reuse = pt ? static_cast<double>(ct) / static_cast<double>(pt) : 0;
+      if (stats.is_object() && stats.contains("router")) {
+        u.router = stats["router"];
+        const double routed = u.router.value("routed", 0.0);
+        u.unmatched = routed > 0 ? u.router.value("unmatched", 0.0) / routed : 0;
+        u.affinity = routed > 0 ? u.router.value("affinity", 0.0) / routed : 0;
+        u.spilled = routed > 0 ? u.router.value("spilled", 0.0) / routed : 0;
+      }
+      ours.push_back(std::move(u));
+      if (o.reference.empty()) continue;
+      // The reference proxy, same stubs, same trace, caches reset again.
+      get_json(s0.url(), "/reset_prefix_cache");
+      get_json(s1.url(), "/reset_prefix_cache");
       Child rc = spawn_reference(o, {s0.url(), s1.url()});
       Ref rf;
       const double rcpu0 = proc_cpu_s(rc.pid);
       rf.run = drive({"http://127.0.0.1:" + std::to_string(rc.port)}, trace, conc, o.client_threads);
-      rf.cpu = proc_cpu_s(rc.pid) - rcpu0;
-      std::unique_ptr<http::Pool> rp = std::make_unique<http::Pool>(*http::Url::parse("http://127.0.0.1:" + std::to_string(rc.port), err), co);
-      const nlohmann::json rs = get_json(*rp, "/proxy/stats");
+      rf.cpu_ms = (proc_cpu_s(rc.pid) - rcpu0) * 1000.0 / n_req;
+      const nlohmann::json rs =
+          get_json("http://127.0.0.1:" + std::to_string(rc.port), "/proxy/stats");
       if (rs.is_object() && rs.contains("router")) {
         const double routed = rs["router"].value("routed", 0.0);
         rf.unmatched = routed > 0 ? rs["router"].value("unmatched", 0.0) / routed : 0;
+        rf.spilled = routed > 0 ? rs["router"].value("spilled", 0.0) / routed : 0;
       }
       kill(rc.pid, SIGTERM);
       int rst;
       waitpid(rc.pid, &rst, 0);
-      ref = rf;
+      refs.push_back(rf);
     }
+    const int R = static_cast<int>(ours.size());
+    auto med = [](auto& v, auto f) {
+      std::vector<double> xs;
+      for (const auto& x : v) xs.push_back(f(x));
+      return percentile(xs, 50);
+    };
+    auto mean = [](auto& v, auto f) {
+      double s = 0;
+      for (const auto& x : v) s += f(x);
+      return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+    };
+    auto list = [](auto& v, auto f) {
+      nlohmann::json a = nlohmann::json::array();
+      for (const auto& x : v) a.push_back(f(x));
+      return a;
+    };
+    const int errors = static_cast<int>(mean(ours, [](const Ours& u) { return static_cast<double>(u.run.errors); }) * R);
     nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
-                          {"proxy_threads", o.proxy_threads}, {"errors", prox.errors}, {"baseline", "direct to stubs"}};
-    if (ref) {
+                          {"proxy_threads", o.proxy_threads}, {"errors", errors}, {"baseline", "direct to stubs"},
+                          {"rounds", R}};
+    // Single figures: the median over rounds (for one round, that round's).
+    const double cpu_ms = med(ours, [](const Ours& u) { return u.cpu_ms; });
+    const double unmatched = mean(ours, [](const Ours& u) { return u.unmatched; });
+    if (!refs.empty()) {
       nlohmann::json rc = cfg;
       rc["baseline"] = "the reference proxy (Python), same run";
-      rc["reference_errors"] = ref->run.errors;
-      const double ours_ms = cpu * 1000.0 / static_cast<double>(trace.size());
-      const double ref_ms = ref->cpu * 1000.0 / static_cast<double>(trace.size());
-      rep.emit({"proxy", "cpu_ms_per_request_vs_reference", ours_ms, "ms", ref_ms, rc});
-      rep.emit({"proxy", "added_latency_p99_ms_vs_reference", prox.p99_ms, "ms", ref->run.p99_ms, rc});
-      rep.emit({"proxy", "requests_per_s_vs_reference", prox.req_per_s, "req/s", ref->run.req_per_s, rc});
-      if (stats.is_object()) {
-        const double routed = stats["router"].value("routed", 0.0);
-        rep.emit({"proxy", "unmatched_fraction_vs_reference", routed > 0 ? stats["router"].value("unmatched", 0.0) / routed : 0,
-                  "fraction", ref->unmatched, rc});
-      }
+      rc["reference_errors"] = list(refs, [](const Ref& r) { return r.run.errors; });
+      nlohmann::json ratios = nlohmann::json::array();
+      for (int i = 0; i < R; ++i) ratios.push_back(ours[i].cpu_ms / refs[i].cpu_ms);
+      nlohmann::json c1 = rc;
+      c1["round_ratios"] = ratios;
+      c1["ours_per_round"] = list(ours, [](const Ours& u) { return u.cpu_ms; });
+      c1["reference_per_round"] = list(refs, [](const Ref& r) { return r.cpu_ms; });
+      rep.emit({"proxy", "cpu_ms_per_request_vs_reference", cpu_ms, "ms", med(refs, [](const Ref& r) { return r.cpu_ms; }), c1});
+      rep.emit({"proxy", "added_latency_p99_ms_vs_reference", med(ours, [](const Ours& u) { return u.run.p99_ms; }), "ms",
+                med(refs, [](const Ref& r) { return r.run.p99_ms; }), rc});
+      rep.emit({"proxy", "requests_per_s_vs_reference", med(ours, [](const Ours& u) { return u.run.req_per_s; }), "req/s",
+                med(refs, [](const Ref& r) { return r.run.req_per_s; }), rc});
+      // The share of unmatched requests: the mean over rounds, and the per-round difference.
+      nlohmann::json c2 = rc;
+      c2["ours_per_round"] = list(ours, [](const Ours& u) { return u.unmatched; });
+      c2["reference_per_round"] = list(refs, [](const Ref& r) { return r.unmatched; });
+      c2["spilled_ours_per_round"] = list(ours, [](const Ours& u) { return u.spilled; });
+      c2["spilled_reference_per_round"] = list(refs, [](const Ref& r) { return r.spilled; });
+      rep.emit({"proxy", "unmatched_fraction_vs_reference", unmatched, "fraction",
+                mean(refs, [](const Ref& r) { return r.unmatched; }), c2});
+      std::vector<double> diff;
+      for (int i = 0; i < R; ++i) diff.push_back((ours[i].unmatched - refs[i].unmatched) * 100.0);
+      double m = 0, v = 0;
+      for (double d : diff) m += d / R;
+      for (double d : diff) v += (d - m) * (d - m) / std::max(1, R - 1);
+      nlohmann::json c3 = rc;
+      c3["per_round"] = diff;
+      c3["sd"] = std::sqrt(v);
+      rep.emit({"proxy", "unmatched_pts_over_reference", m, "pt", std::nullopt, c3});
     }
-    rep.emit({"proxy", "requests_per_s", prox.req_per_s, "req/s", base.req_per_s, cfg});
-    rep.emit({"proxy", "added_latency_p50_ms", prox.p50_ms, "ms", base.p50_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms", prox.p99_ms, "ms", base.p99_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms_incl_connect", prox.p99_all_ms, "ms", base.p99_all_ms, cfg});
-    rep.emit({"proxy", "cpu_s_per_1k_requests", cpu * 1000.0 / static_cast<double>(trace.size()), "s", std::nullopt, cfg});
+    rep.emit({"proxy", "requests_per_s", med(ours, [](const Ours& u) { return u.run.req_per_s; }), "req/s", base.req_per_s, cfg});
+    rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Ours& u) { return u.run.p50_ms; }), "ms", base.p50_ms, cfg});
+    rep.emit({"proxy", "added_latency_p99_ms", med(ours, [](const Ours& u) { return u.run.p99_ms; }), "ms", base.p99_ms, cfg});
+    rep.emit({"proxy", "added_latency_p99_ms_incl_connect", med(ours, [](const Ours& u) { return u.run.p99_all_ms; }), "ms",
+              base.p99_all_ms, cfg});
+    {
+      nlohmann::json c1 = cfg;
+      c1["per_round"] = list(ours, [](const Ours& u) { return u.cpu_ms; });
+      rep.emit({"proxy", "cpu_s_per_1k_requests", cpu_ms, "s", std::nullopt, c1});
+    }
+    double rss = 0;
+    for (const auto& u : ours) rss = std::max(rss, u.rss);
     rep.emit({"proxy", "proxy_peak_rss_mb", rss, "MiB", std::nullopt, cfg});
-    if (stats.is_object()) {
-      auto& r = stats["router"];
-      double routed = r.value("routed", 0.0);
+    if (ours.back().router.is_object()) {
+      const auto& r = ours.back().router;  // the counters of the last round
       auto c2 = cfg;
       c2["affinity"] = r["affinity"];
       c2["spilled"] = r["spilled"];
       c2["unmatched"] = r["unmatched"];
       c2["tracked_blocks"] = r["tracked_blocks"];
-      rep.emit({"proxy", "unmatched_fraction", routed > 0 ? r.value("unmatched", 0.0) / routed : 0, "fraction", 1.0 / to.group, c2});
-      rep.emit({"proxy", "affinity_fraction", routed > 0 ? r.value("affinity", 0.0) / routed : 0, "fraction", std::nullopt, c2});
+      c2["per_round"] = list(ours, [](const Ours& u) { return u.unmatched; });
+      rep.emit({"proxy", "unmatched_fraction", unmatched, "fraction", 1.0 / to.group, c2});
+      rep.emit({"proxy", "affinity_fraction", mean(ours, [](const Ours& u) { return u.affinity; }), "fraction", std::nullopt, c2});
     }
-    rep.emit({"proxy", "stub_prefill_reuse", pt ? static_cast<double>(ct) / static_cast<double>(pt) : 0, "fraction",
-              std::nullopt, cfg});
+    rep.emit({"proxy", "stub_prefill_reuse", mean(ours, [](const Ours& u) { return u.reuse; }), "fraction", std::nullopt, cfg});
     s0.stop();
     s1.stop();
   }
@@ -378,6 +457,11 @@ void register_bench_proxy(CLI::App& bench, Registry& reg) {
   sub->add_option("--reference", o->reference,
                   "the HF Python proxy's lora_proxy.py (fetched into a temp dir; run with python3-aiohttp) as a same-run baseline");
   sub->add_option("--python", o->python, "the interpreter for --reference")->capture_default_str();
+  sub->add_option("--rounds", o->rounds,
+                  "rounds per concurrency (ours, then the reference, each from cold caches); figures are medians, "
+                  "unmatched shares means, with the per-round values in the config")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 50));
   reg.add(sub, [o] { return run(*o); });
 }
 
