@@ -1,7 +1,7 @@
 // Small steps on our CPU kernels (qwen2_model.h, set_cpu_fast_paths): the same layer maths as
 // Qwen2Model::forward, with the small per-token steps fused into single loops, q/k/v and gate/up
 // each computed in one pass over their weights, decode rows' attention reading the paged KV cache
-// in place (a mixed step's prefill chunks use libtorch's fused attention), and LoRA deltas with
+// in place (a mixed step's prefill chunks use our blocked causal kernel), and LoRA deltas with
 // the maths of LoraBatch::apply on our kernels (project: folded into the projections for decode-sized
 // steps; lora_into above 64 rows).
 #include <ATen/ATen.h>
@@ -284,7 +284,8 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
 
   // Segments of one new token (decode) go to our attention kernel with their context's slots,
   // checked against the pool once per step (the kernel reads the pool in place); longer ones
-  // (prefill chunks of a mixed step) to libtorch's fused attention.
+  // (prefill chunks of a mixed step) to our blocked causal kernel (cpu::causal_attention), or
+  // libtorch's fused attention where that kernel does not apply.
   std::vector<at::Tensor> keep;
   std::vector<const std::int64_t*> slots;
   std::vector<std::int64_t> lens, dec_rows;
@@ -353,6 +354,22 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
                             dec_rows.data(), slots.data(), lens.data(), attn.data_ptr<float>());
     for (std::size_t i : chunk_segs) {
       const auto& seg = batch.segs[i];
+      if (cpu::causal_attention_available(hd)) {
+        // Our blocked causal kernel; a chunk after cached context reads that context gathered
+        // from the pool (its own keys included: they were written above).
+        at::Tensor kc = k, vc = v;
+        std::int64_t first = seg.begin;
+        if (seg.past > 0) {
+          const auto& ctx = meta.context_slots[i];
+          kc = kv.k[l].index_select(0, ctx).contiguous();
+          vc = kv.v[l].index_select(0, ctx).contiguous();
+          first = 0;
+        }
+        cpu::causal_attention(q.data_ptr<float>() + seg.begin * qd, qd, kc.data_ptr<float>() + first * kvd,
+                              vc.data_ptr<float>() + first * kvd, kvd, seg.len, seg.past, nh, nkv, hd,
+                              attn.data_ptr<float>() + seg.begin * qd, qd);
+        continue;
+      }
       auto qs = q.narrow(0, seg.begin, seg.len).view({seg.len, nh, hd});
       at::Tensor out;
       if (seg.past == 0) {

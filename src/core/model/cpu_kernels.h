@@ -129,6 +129,18 @@ void decode_attention(const float* q, const float* k_pool, const float* v_pool, 
                       std::int64_t nkv, std::int64_t hd, std::int64_t B, const std::int64_t* rows,
                       const std::int64_t* const* slots, const std::int64_t* lens, float* out);
 
+// Causal attention of one sequence's chunk of L new tokens (a prefill chunk), cpu_attention.cpp:
+//   q [L, nh * hd] with row stride ldq; k, v [past + L, nkv * hd] with row stride ldkv (the cached
+//   context, then the chunk's own keys); out [L, nh * hd] with row stride ldo. Query i sees keys
+//   j <= past + i; query head h uses KV head h / (nh / nkv); scale 1/sqrt(hd), softmax in fp32.
+// Blocked with an online softmax (the [L, S] scores never exist), only the key blocks a query
+// block sees, the g query heads of a KV head sharing each key block. AVX2 + FMA and hd a multiple
+// of 16 only (causal_attention_available); callers take libtorch's attention otherwise.
+bool causal_attention_available(std::int64_t hd);
+void causal_attention(const float* q, std::int64_t ldq, const float* k, const float* v, std::int64_t ldkv,
+                      std::int64_t L, std::int64_t past, std::int64_t nh, std::int64_t nkv, std::int64_t hd,
+                      float* out, std::int64_t ldo);
+
 // Softmax statistics of one row z = x / t (t > 0), for the sampler:
 //   returns max z, and with it row_exp_blocks gives e[i] = exp(z[i] - shift) (e may be null) and
 //   per-block sums of e in double, block_sums[j] over [j * block, (j + 1) * block); returns their

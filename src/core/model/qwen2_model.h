@@ -119,7 +119,7 @@ class Qwen2Model {
 };
 
 // On CPU, fp32 steps of up to 4,096 tokens with a KV cache and no gradient (decode rows, and the
-// prefill chunks of a mixed step, whose attention stays libtorch's) and the LM head of up
+// prefill chunks of a mixed step, with our causal attention kernel) and the LM head of up
 // to 256 rows run our kernels (cpu_kernels.h): the libtorch expression of the same maths
 // pays a dispatcher round trip per small op and streams the weights at a third of the memory
 // bandwidth. Off = the libtorch path everywhere (tests compare the two; bench forward's baseline).

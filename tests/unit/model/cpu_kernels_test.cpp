@@ -284,6 +284,48 @@ TEST(CpuKernels, DecodeAttentionReadsScatteredSlotsInPlace) {
   });
 }
 
+// The prefill chunk's causal attention: every (length, cached context, heads, head size) mix,
+// key blocks cut anywhere (64 keys) and query blocks too (16 tokens), strided rows, against the
+// explicit softmax(QK^T/sqrt(hd))V; only the portable-forced build lacks the kernel (it says so).
+TEST(CpuKernels, CausalAttentionEqualsTheExplicitSoftmaxForEveryChunkAndContext) {
+  at::manual_seed(6);
+  struct Shape {
+    std::int64_t nh, nkv, hd;
+  };
+  int ran = 0;
+  for (Shape sh : {Shape{8, 2, 64}, Shape{4, 4, 16}, Shape{12, 2, 128}, Shape{6, 1, 32}}) {
+    if (!cpu::causal_attention_available(sh.hd)) continue;
+    for (std::int64_t L : {1, 5, 16, 17, 63, 64, 65, 130}) {
+      for (std::int64_t past : {0, 1, 40, 64, 100}) {
+        const std::int64_t S = past + L, qd = sh.nh * sh.hd, kvd = sh.nkv * sh.hd;
+        // Rows wider than the heads (a strided view of a larger buffer), as a fused projection has.
+        auto qbuf = at::randn({L, qd + 24}) * 2.0, kbuf = at::randn({S, kvd + 8}) * 2.0, vbuf = at::randn({S, kvd + 8});
+        auto out = at::full({L, qd + 40}, std::nanf(""));
+        cpu::causal_attention(qbuf.data_ptr<float>(), qd + 24, kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kvd + 8,
+                              L, past, sh.nh, sh.nkv, sh.hd, out.data_ptr<float>(), qd + 40);
+        auto q = qbuf.narrow(1, 0, qd).contiguous().view({L, sh.nh, sh.hd});
+        auto k = kbuf.narrow(1, 0, kvd).contiguous().view({S, sh.nkv, sh.hd});
+        auto v = vbuf.narrow(1, 0, kvd).contiguous().view({S, sh.nkv, sh.hd});
+        auto want = segment_attention_reference(q, k, v, past);
+        auto got = out.narrow(1, 0, qd);
+        ASSERT_LE(max_rel_diff(got, want), 2e-5)
+            << "nh " << sh.nh << ", nkv " << sh.nkv << ", hd " << sh.hd << ", L " << L << ", past " << past;
+        // Outside the rows' heads nothing was written.
+        EXPECT_TRUE(out.narrow(1, qd, 40).isnan().all().item<bool>());
+        ++ran;
+      }
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "no AVX2 + FMA on this CPU: callers use libtorch's attention";
+  // Large scores (a peaked softmax, the running max moving between key blocks) stay exact.
+  const std::int64_t L = 100, past = 60, nh = 4, nkv = 2, hd = 64, S = past + L;
+  auto q = at::randn({L, nh, hd}) * 6.0, k = at::randn({S, nkv, hd}) * 6.0, v = at::randn({S, nkv, hd});
+  auto out = at::empty({L, nh * hd});
+  cpu::causal_attention(q.data_ptr<float>(), nh * hd, k.data_ptr<float>(), v.data_ptr<float>(), nkv * hd, L, past, nh,
+                        nkv, hd, out.data_ptr<float>(), nh * hd);
+  EXPECT_LE(max_rel_diff(out, segment_attention_reference(q, k, v, past)), 2e-5);
+}
+
 TEST(CpuKernels, SoftmaxStatisticsMatchLogSoftmax) {
   at::manual_seed(5);
   both_isas([] {
