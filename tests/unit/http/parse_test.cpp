@@ -5,6 +5,7 @@
 #include <random>
 #include <string>
 
+#include "http/http.h"
 #include "http/parse.h"
 
 namespace lorasync::http {
@@ -28,6 +29,25 @@ int refusal(std::string_view buf, std::size_t limit = 8192) {
   Parsed p = parse(buf, limit);
   EXPECT_EQ(p.status, ParseStatus::kError) << buf;
   return p.status == ParseStatus::kError ? p.err.status : 0;
+}
+
+// Header names compare case-insensitively in ASCII only, whatever the process locale: bytes that
+// differ by 0x20 outside A-Z (@ and `, [ and {) and Latin-1 letters stay distinct.
+TEST(HttpParse, HeaderNamesFoldAsciiCaseOnly) {
+  EXPECT_TRUE(iequals("Content-Length", "content-LENGTH"));
+  EXPECT_TRUE(iequals("", ""));
+  EXPECT_TRUE(iequals("x-Request-ID", "X-REQUEST-id"));
+  EXPECT_FALSE(iequals("content-length", "content-lengths"));
+  EXPECT_FALSE(iequals("@", "`"));
+  EXPECT_FALSE(iequals("[", "{"));
+  EXPECT_FALSE(iequals("\xC9", "\xE9"));
+  EXPECT_TRUE(iequals("\xC9a", "\xC9A"));
+  for (int c = 0; c < 256; ++c)
+    for (int d = 0; d < 256; ++d) {
+      const char a = static_cast<char>(c), b = static_cast<char>(d);
+      const bool folded = c == d || (c >= 'A' && c <= 'Z' && d == c + 32) || (d >= 'A' && d <= 'Z' && c == d + 32);
+      ASSERT_EQ(iequals(std::string_view(&a, 1), std::string_view(&b, 1)), folded) << c << " " << d;
+    }
 }
 
 TEST(HttpParse, ARequestHeadWithItsFraming) {
