@@ -222,21 +222,38 @@ bool causal_attention_available(std::int64_t hd) {
 void causal_attention(const float* q, std::int64_t ldq, const float* k, const float* v, std::int64_t ldkv,
                       std::int64_t L, std::int64_t past, std::int64_t nh, std::int64_t nkv, std::int64_t hd,
                       float* out, std::int64_t ldo) {
+  const AttentionChunk one{q, k, v, out, L, past};
+  causal_attention(std::span<const AttentionChunk>(&one, 1), ldq, ldkv, ldo, nh, nkv, hd);
+}
+
+void causal_attention(std::span<const AttentionChunk> chunks, std::int64_t ldq, std::int64_t ldkv, std::int64_t ldo,
+                      std::int64_t nh, std::int64_t nkv, std::int64_t hd) {
 #if LS_X86
-  if (L <= 0) return;
-  const std::int64_t blocks = (L + kQueryBlock - 1) / kQueryBlock;
-  const std::int64_t units = nkv * blocks;
-  auto cost = [&](std::int64_t u) { return past + std::min(L, (u % blocks + 1) * kQueryBlock); };
-  parallel_for_cost(units, cost, [&](std::int64_t u0, std::int64_t u1) {
+  // Every chunk's units in one parallel region: a step that prefills 64 short prompts would
+  // otherwise pay 64 regions (and their barriers) per layer.
+  struct Unit {
+    std::size_t chunk;
+    std::int64_t j, t0, t1;
+  };
+  std::vector<Unit> units;
+  for (std::size_t c = 0; c < chunks.size(); ++c)
+    for (std::int64_t j = 0; j < nkv; ++j)
+      for (std::int64_t t0 = 0; t0 < chunks[c].L; t0 += kQueryBlock)
+        units.push_back({c, j, t0, std::min(chunks[c].L, t0 + kQueryBlock)});
+  auto cost = [&](std::int64_t u) {
+    const Unit& x = units[static_cast<std::size_t>(u)];
+    return (chunks[x.chunk].past + x.t1) * (x.t1 - x.t0);
+  };
+  parallel_for_cost(static_cast<std::int64_t>(units.size()), cost, [&](std::int64_t u0, std::int64_t u1) {
     thread_local Scratch w;
     for (std::int64_t u = u0; u < u1; ++u) {
-      const std::int64_t j = u / blocks, b = u % blocks;
-      unit(q, ldq, k, v, ldkv, past, nh, nkv, hd, j, b * kQueryBlock, std::min(L, (b + 1) * kQueryBlock), out, ldo, w);
+      const Unit& x = units[static_cast<std::size_t>(u)];
+      const AttentionChunk& c = chunks[x.chunk];
+      unit(c.q, ldq, c.k, c.v, ldkv, c.past, nh, nkv, hd, x.j, x.t0, x.t1, c.out, ldo, w);
     }
   });
 #else
-  (void)q, (void)ldq, (void)k, (void)v, (void)ldkv, (void)L, (void)past, (void)nh, (void)nkv, (void)hd, (void)out,
-      (void)ldo;
+  (void)chunks, (void)ldq, (void)ldkv, (void)ldo, (void)nh, (void)nkv, (void)hd;
 #endif
 }
 

@@ -352,24 +352,38 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
     if (!dec_rows.empty())
       cpu::decode_attention(q.data_ptr<float>(), kp, vp, nh, nkv, hd, static_cast<std::int64_t>(dec_rows.size()),
                             dec_rows.data(), slots.data(), lens.data(), attn.data_ptr<float>());
-    for (std::size_t i : chunk_segs) {
-      const auto& seg = batch.segs[i];
-      if (cpu::causal_attention_available(hd)) {
-        // Our blocked causal kernel; a chunk after cached context reads that context gathered
-        // from the pool (its own keys included: they were written above).
-        at::Tensor kc = k, vc = v;
-        std::int64_t first = seg.begin;
-        if (seg.past > 0) {
+    const bool own_attention = cpu::causal_attention_available(hd);
+    if (own_attention && !chunk_segs.empty()) {
+      // Our blocked causal kernel, every chunk of the step in one call; a chunk after cached
+      // context reads that context gathered from the pool (its own keys included: they were
+      // written above).
+      std::vector<cpu::AttentionChunk> chunks;
+      std::vector<at::Tensor> gathered;
+      for (std::size_t i : chunk_segs) {
+        const auto& seg = batch.segs[i];
+        cpu::AttentionChunk c;
+        c.q = q.data_ptr<float>() + seg.begin * qd;
+        c.out = attn.data_ptr<float>() + seg.begin * qd;
+        c.L = seg.len;
+        c.past = seg.past;
+        if (seg.past == 0) {
+          c.k = k.data_ptr<float>() + seg.begin * kvd;
+          c.v = v.data_ptr<float>() + seg.begin * kvd;
+        } else {
           const auto& ctx = meta.context_slots[i];
-          kc = kv.k[l].index_select(0, ctx).contiguous();
-          vc = kv.v[l].index_select(0, ctx).contiguous();
-          first = 0;
+          gathered.push_back(kv.k[l].index_select(0, ctx).contiguous());
+          c.k = gathered.back().data_ptr<float>();
+          gathered.push_back(kv.v[l].index_select(0, ctx).contiguous());
+          c.v = gathered.back().data_ptr<float>();
         }
-        cpu::causal_attention(q.data_ptr<float>() + seg.begin * qd, qd, kc.data_ptr<float>() + first * kvd,
-                              vc.data_ptr<float>() + first * kvd, kvd, seg.len, seg.past, nh, nkv, hd,
-                              attn.data_ptr<float>() + seg.begin * qd, qd);
-        continue;
+        chunks.push_back(c);
       }
+      cpu::causal_attention(chunks, qd, kvd, qd, nh, nkv, hd);
+    }
+    // Else libtorch's fused attention (no AVX2, or a head size our kernel does not take).
+    for (std::size_t i : chunk_segs) {
+      if (own_attention) break;
+      const auto& seg = batch.segs[i];
       auto qs = q.narrow(0, seg.begin, seg.len).view({seg.len, nh, hd});
       at::Tensor out;
       if (seg.past == 0) {

@@ -140,6 +140,17 @@ bool causal_attention_available(std::int64_t hd);
 void causal_attention(const float* q, std::int64_t ldq, const float* k, const float* v, std::int64_t ldkv,
                       std::int64_t L, std::int64_t past, std::int64_t nh, std::int64_t nkv, std::int64_t hd,
                       float* out, std::int64_t ldo);
+// Several chunks (a step's prefill segments) in one parallel region; chunk c's pointers as above,
+// the strides and head shapes shared.
+struct AttentionChunk {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* out = nullptr;
+  std::int64_t L = 0, past = 0;
+};
+void causal_attention(std::span<const AttentionChunk> chunks, std::int64_t ldq, std::int64_t ldkv, std::int64_t ldo,
+                      std::int64_t nh, std::int64_t nkv, std::int64_t hd);
 
 // Softmax statistics of one row z = x / t (t > 0), for the sampler:
 //   returns max z, and with it row_exp_blocks gives e[i] = exp(z[i] - shift) (e may be null) and

@@ -326,6 +326,33 @@ TEST(CpuKernels, CausalAttentionEqualsTheExplicitSoftmaxForEveryChunkAndContext)
   EXPECT_LE(max_rel_diff(out, segment_attention_reference(q, k, v, past)), 2e-5);
 }
 
+// A step's chunks in one call (one parallel region): each equals its own call, whatever the mix of
+// lengths and cached contexts, and the outputs of other rows are untouched.
+TEST(CpuKernels, CausalAttentionOverManyChunksEqualsOneCallEach) {
+  const std::int64_t nh = 8, nkv = 2, hd = 64, qd = nh * hd, kvd = nkv * hd;
+  if (!cpu::causal_attention_available(hd)) GTEST_SKIP() << "no AVX2 + FMA on this CPU";
+  at::manual_seed(7);
+  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{64, 0}, {1, 0}, {17, 30}, {130, 0}, {5, 200}};
+  std::int64_t rows = 0;
+  for (auto [L, past] : shapes) rows += L;
+  auto q = at::randn({rows, qd}), out = at::full({rows + 3, qd}, std::nanf("")), want = at::empty({rows, qd});
+  std::vector<at::Tensor> ks, vs;
+  std::vector<cpu::AttentionChunk> chunks;
+  std::int64_t r = 0;
+  for (auto [L, past] : shapes) {
+    ks.push_back(at::randn({past + L, kvd}));
+    vs.push_back(at::randn({past + L, kvd}));
+    chunks.push_back({q.data_ptr<float>() + r * qd, ks.back().data_ptr<float>(), vs.back().data_ptr<float>(),
+                      out.data_ptr<float>() + r * qd, L, past});
+    cpu::causal_attention(q.data_ptr<float>() + r * qd, qd, ks.back().data_ptr<float>(), vs.back().data_ptr<float>(),
+                          kvd, L, past, nh, nkv, hd, want.data_ptr<float>() + r * qd, qd);
+    r += L;
+  }
+  cpu::causal_attention(chunks, qd, kvd, qd, nh, nkv, hd);
+  EXPECT_TRUE(at::equal(out.narrow(0, 0, rows), want));
+  EXPECT_TRUE(out.narrow(0, rows, 3).isnan().all().item<bool>());
+}
+
 TEST(CpuKernels, SoftmaxStatisticsMatchLogSoftmax) {
   at::manual_seed(5);
   both_isas([] {
