@@ -272,6 +272,33 @@ nlohmann::json get_json(const std::string& base_url, const std::string& target) 
   return out;
 }
 
+// One proxy (ours or the reference) under the trace: its CPU per request and peak RSS over the
+// run, and the router counters of its /proxy/stats; then it is stopped.
+struct Round {
+  RunResult run;
+  double cpu_ms = 0, rss = 0;
+  nlohmann::json router;  // /proxy/stats "router": both proxies count routed, affinity, spilled, unmatched
+  double share(const char* outcome) const {
+    const double routed = router.is_object() ? router.value("routed", 0.0) : 0.0;
+    return routed > 0 ? router.value(outcome, 0.0) / routed : 0.0;
+  }
+};
+
+Round measure_round(const Child& ch, const std::vector<bench::TraceRequest>& trace, int conc, int client_threads) {
+  const std::string url = "http://127.0.0.1:" + std::to_string(ch.port);
+  Round r;
+  const double cpu0 = proc_cpu_s(ch.pid);
+  r.run = drive({url}, trace, conc, client_threads);
+  r.cpu_ms = (proc_cpu_s(ch.pid) - cpu0) * 1000.0 / static_cast<double>(trace.size());
+  r.rss = proc_hwm_mb(ch.pid);
+  const nlohmann::json stats = get_json(url, "/proxy/stats");
+  if (stats.is_object() && stats.contains("router")) r.router = stats["router"];
+  kill(ch.pid, SIGTERM);
+  int st;
+  waitpid(ch.pid, &st, 0);
+  return r;
+}
+
 int run(const BenchProxyOptions& o) {
   BenchReporter rep;
   // Memory per tracked block at 500k entries.
@@ -297,64 +324,27 @@ int run(const BenchProxyOptions& o) {
     // Rounds: ours then the reference, each from cold stub caches, `rounds` times (the VM's noise
     // moves single figures by tens of per cent; the medians and the per-round pairs are reported).
     struct Ours {
-      RunResult run;
-      double cpu_ms = 0, rss = 0, reuse = 0, unmatched = 0, affinity = 0, spilled = 0;
-      nlohmann::json router;
-    };
-    struct Ref {
-      RunResult run;
-      double cpu_ms = 0, unmatched = 0, spilled = 0;
+      Round round;
+      double reuse = 0;  // the stubs' prefill reuse
     };
     std::vector<Ours> ours;
-    std::vector<Ref> refs;
-    const double n_req = static_cast<double>(trace.size());
+    std::vector<Round> refs;
     for (int round = 0; round < std::max(1, o.rounds); ++round) {
-      Ours u;
       // Reset the stubs' caches so prefill reuse reflects the proxy's routing only.
       get_json(s0.url(), "/reset_prefix_cache");
       get_json(s1.url(), "/reset_prefix_cache");
       const std::uint64_t p0 = s0.prompt_tokens() + s1.prompt_tokens(), c0 = s0.cached_tokens() + s1.cached_tokens();
-      Child ch = spawn_proxy({s0.url(), s1.url()}, o.proxy_threads);
-      const std::string via = "http://127.0.0.1:" + std::to_string(ch.port);
-      const double cpu0 = proc_cpu_s(ch.pid);
-      u.run = drive({via}, trace, conc, o.client_threads);
-      u.cpu_ms = (proc_cpu_s(ch.pid) - cpu0) * 1000.0 / n_req;
-      u.rss = proc_hwm_mb(ch.pid);
-      const nlohmann::json stats = get_json(via, "/proxy/stats");
-      kill(ch.pid, SIGTERM);
-      int st;
-      waitpid(ch.pid, &st, 0);
+      Ours u;
+      u.round = measure_round(spawn_proxy({s0.url(), s1.url()}, o.proxy_threads), trace, conc, o.client_threads);
       const std::uint64_t pt = s0.prompt_tokens() + s1.prompt_tokens() - p0,
                           ct = s0.cached_tokens() + s1.cached_tokens() - c0;
       u.reuse = pt ? static_cast<double>(ct) / static_cast<double>(pt) : 0;
-      if (stats.is_object() && stats.contains("router")) {
-        u.router = stats["router"];
-        const double routed = u.router.value("routed", 0.0);
-        u.unmatched = routed > 0 ? u.router.value("unmatched", 0.0) / routed : 0;
-        u.affinity = routed > 0 ? u.router.value("affinity", 0.0) / routed : 0;
-        u.spilled = routed > 0 ? u.router.value("spilled", 0.0) / routed : 0;
-      }
       ours.push_back(std::move(u));
       if (o.reference.empty()) continue;
       // The reference proxy, same stubs, same trace, caches reset again.
       get_json(s0.url(), "/reset_prefix_cache");
       get_json(s1.url(), "/reset_prefix_cache");
-      Child rc = spawn_reference(o, {s0.url(), s1.url()});
-      Ref rf;
-      const double rcpu0 = proc_cpu_s(rc.pid);
-      rf.run = drive({"http://127.0.0.1:" + std::to_string(rc.port)}, trace, conc, o.client_threads);
-      rf.cpu_ms = (proc_cpu_s(rc.pid) - rcpu0) * 1000.0 / n_req;
-      const nlohmann::json rs =
-          get_json("http://127.0.0.1:" + std::to_string(rc.port), "/proxy/stats");
-      if (rs.is_object() && rs.contains("router")) {
-        const double routed = rs["router"].value("routed", 0.0);
-        rf.unmatched = routed > 0 ? rs["router"].value("unmatched", 0.0) / routed : 0;
-        rf.spilled = routed > 0 ? rs["router"].value("spilled", 0.0) / routed : 0;
-      }
-      kill(rc.pid, SIGTERM);
-      int rst;
-      waitpid(rc.pid, &rst, 0);
-      refs.push_back(rf);
+      refs.push_back(measure_round(spawn_reference(o, {s0.url(), s1.url()}), trace, conc, o.client_threads));
     }
     const int R = static_cast<int>(ours.size());
     auto med = [](auto& v, auto f) {
@@ -372,38 +362,39 @@ int run(const BenchProxyOptions& o) {
       for (const auto& x : v) a.push_back(f(x));
       return a;
     };
-    const int errors = static_cast<int>(mean(ours, [](const Ours& u) { return static_cast<double>(u.run.errors); }) * R);
+    std::size_t errors = 0;
+    for (const auto& u : ours) errors += u.round.run.errors;
     nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
                           {"proxy_threads", o.proxy_threads}, {"errors", errors}, {"baseline", "direct to stubs"},
                           {"rounds", R}};
     // Single figures: the median over rounds (for one round, that round's).
-    const double cpu_ms = med(ours, [](const Ours& u) { return u.cpu_ms; });
-    const double unmatched = mean(ours, [](const Ours& u) { return u.unmatched; });
+    const double cpu_ms = med(ours, [](const Ours& u) { return u.round.cpu_ms; });
+    const double unmatched = mean(ours, [](const Ours& u) { return u.round.share("unmatched"); });
     if (!refs.empty()) {
       nlohmann::json rc = cfg;
       rc["baseline"] = "the reference proxy (Python), same run";
-      rc["reference_errors"] = list(refs, [](const Ref& r) { return r.run.errors; });
+      rc["reference_errors"] = list(refs, [](const Round& r) { return r.run.errors; });
       nlohmann::json ratios = nlohmann::json::array();
-      for (int i = 0; i < R; ++i) ratios.push_back(ours[i].cpu_ms / refs[i].cpu_ms);
+      for (int i = 0; i < R; ++i) ratios.push_back(ours[i].round.cpu_ms / refs[i].cpu_ms);
       nlohmann::json c1 = rc;
       c1["round_ratios"] = ratios;
-      c1["ours_per_round"] = list(ours, [](const Ours& u) { return u.cpu_ms; });
-      c1["reference_per_round"] = list(refs, [](const Ref& r) { return r.cpu_ms; });
-      rep.emit({"proxy", "cpu_ms_per_request_vs_reference", cpu_ms, "ms", med(refs, [](const Ref& r) { return r.cpu_ms; }), c1});
-      rep.emit({"proxy", "added_latency_p99_ms_vs_reference", med(ours, [](const Ours& u) { return u.run.p99_ms; }), "ms",
-                med(refs, [](const Ref& r) { return r.run.p99_ms; }), rc});
-      rep.emit({"proxy", "requests_per_s_vs_reference", med(ours, [](const Ours& u) { return u.run.req_per_s; }), "req/s",
-                med(refs, [](const Ref& r) { return r.run.req_per_s; }), rc});
+      c1["ours_per_round"] = list(ours, [](const Ours& u) { return u.round.cpu_ms; });
+      c1["reference_per_round"] = list(refs, [](const Round& r) { return r.cpu_ms; });
+      rep.emit({"proxy", "cpu_ms_per_request_vs_reference", cpu_ms, "ms", med(refs, [](const Round& r) { return r.cpu_ms; }), c1});
+      rep.emit({"proxy", "added_latency_p99_ms_vs_reference", med(ours, [](const Ours& u) { return u.round.run.p99_ms; }), "ms",
+                med(refs, [](const Round& r) { return r.run.p99_ms; }), rc});
+      rep.emit({"proxy", "requests_per_s_vs_reference", med(ours, [](const Ours& u) { return u.round.run.req_per_s; }), "req/s",
+                med(refs, [](const Round& r) { return r.run.req_per_s; }), rc});
       // The share of unmatched requests: the mean over rounds, and the per-round difference.
       nlohmann::json c2 = rc;
-      c2["ours_per_round"] = list(ours, [](const Ours& u) { return u.unmatched; });
-      c2["reference_per_round"] = list(refs, [](const Ref& r) { return r.unmatched; });
-      c2["spilled_ours_per_round"] = list(ours, [](const Ours& u) { return u.spilled; });
-      c2["spilled_reference_per_round"] = list(refs, [](const Ref& r) { return r.spilled; });
+      c2["ours_per_round"] = list(ours, [](const Ours& u) { return u.round.share("unmatched"); });
+      c2["reference_per_round"] = list(refs, [](const Round& r) { return r.share("unmatched"); });
+      c2["spilled_ours_per_round"] = list(ours, [](const Ours& u) { return u.round.share("spilled"); });
+      c2["spilled_reference_per_round"] = list(refs, [](const Round& r) { return r.share("spilled"); });
       rep.emit({"proxy", "unmatched_fraction_vs_reference", unmatched, "fraction",
-                mean(refs, [](const Ref& r) { return r.unmatched; }), c2});
+                mean(refs, [](const Round& r) { return r.share("unmatched"); }), c2});
       std::vector<double> diff;
-      for (int i = 0; i < R; ++i) diff.push_back((ours[i].unmatched - refs[i].unmatched) * 100.0);
+      for (int i = 0; i < R; ++i) diff.push_back((ours[i].round.share("unmatched") - refs[i].share("unmatched")) * 100.0);
       double m = 0, v = 0;
       for (double d : diff) m += d / R;
       for (double d : diff) v += (d - m) * (d - m) / std::max(1, R - 1);
@@ -412,29 +403,31 @@ int run(const BenchProxyOptions& o) {
       c3["sd"] = std::sqrt(v);
       rep.emit({"proxy", "unmatched_pts_over_reference", m, "pt", std::nullopt, c3});
     }
-    rep.emit({"proxy", "requests_per_s", med(ours, [](const Ours& u) { return u.run.req_per_s; }), "req/s", base.req_per_s, cfg});
-    rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Ours& u) { return u.run.p50_ms; }), "ms", base.p50_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms", med(ours, [](const Ours& u) { return u.run.p99_ms; }), "ms", base.p99_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms_incl_connect", med(ours, [](const Ours& u) { return u.run.p99_all_ms; }), "ms",
+    rep.emit({"proxy", "requests_per_s", med(ours, [](const Ours& u) { return u.round.run.req_per_s; }), "req/s", base.req_per_s, cfg});
+    rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Ours& u) { return u.round.run.p50_ms; }), "ms", base.p50_ms, cfg});
+    rep.emit({"proxy", "added_latency_p99_ms", med(ours, [](const Ours& u) { return u.round.run.p99_ms; }), "ms", base.p99_ms, cfg});
+    rep.emit({"proxy", "added_latency_p99_ms_incl_connect", med(ours, [](const Ours& u) { return u.round.run.p99_all_ms; }), "ms",
               base.p99_all_ms, cfg});
     {
       nlohmann::json c1 = cfg;
-      c1["per_round"] = list(ours, [](const Ours& u) { return u.cpu_ms; });
+      c1["per_round"] = list(ours, [](const Ours& u) { return u.round.cpu_ms; });
       rep.emit({"proxy", "cpu_s_per_1k_requests", cpu_ms, "s", std::nullopt, c1});
     }
     double rss = 0;
-    for (const auto& u : ours) rss = std::max(rss, u.rss);
+    for (const auto& u : ours) rss = std::max(rss, u.round.rss);
     rep.emit({"proxy", "proxy_peak_rss_mb", rss, "MiB", std::nullopt, cfg});
-    if (ours.back().router.is_object()) {
-      const auto& r = ours.back().router;  // the counters of the last round
+    if (ours.back().round.router.is_object()) {
+      const auto& r = ours.back().round.router;  // the counters of the last round
       auto c2 = cfg;
       c2["affinity"] = r["affinity"];
       c2["spilled"] = r["spilled"];
       c2["unmatched"] = r["unmatched"];
       c2["tracked_blocks"] = r["tracked_blocks"];
-      c2["per_round"] = list(ours, [](const Ours& u) { return u.unmatched; });
+      c2["per_round"] = list(ours, [](const Ours& u) { return u.round.share("unmatched"); });
       rep.emit({"proxy", "unmatched_fraction", unmatched, "fraction", 1.0 / to.group, c2});
-      rep.emit({"proxy", "affinity_fraction", mean(ours, [](const Ours& u) { return u.affinity; }), "fraction", std::nullopt, c2});
+      c2["per_round"] = list(ours, [](const Ours& u) { return u.round.share("affinity"); });
+      rep.emit({"proxy", "affinity_fraction", mean(ours, [](const Ours& u) { return u.round.share("affinity"); }), "fraction",
+                std::nullopt, c2});
     }
     rep.emit({"proxy", "stub_prefill_reuse", mean(ours, [](const Ours& u) { return u.reuse; }), "fraction", std::nullopt, cfg});
     s0.stop();

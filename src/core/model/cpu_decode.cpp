@@ -352,8 +352,7 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
     if (!dec_rows.empty())
       cpu::decode_attention(q.data_ptr<float>(), kp, vp, nh, nkv, hd, static_cast<std::int64_t>(dec_rows.size()),
                             dec_rows.data(), slots.data(), lens.data(), attn.data_ptr<float>());
-    const bool own_attention = cpu::causal_attention_available(hd);
-    if (own_attention && !chunk_segs.empty()) {
+    if (cpu::causal_attention_available(hd)) {
       // Our blocked causal kernel, every chunk of the step in one call; a chunk after cached
       // context reads that context gathered from the pool (its own keys included: they were
       // written above).
@@ -361,39 +360,32 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
       std::vector<at::Tensor> gathered;
       for (std::size_t i : chunk_segs) {
         const auto& seg = batch.segs[i];
-        cpu::AttentionChunk c;
-        c.q = q.data_ptr<float>() + seg.begin * qd;
-        c.out = attn.data_ptr<float>() + seg.begin * qd;
-        c.L = seg.len;
-        c.past = seg.past;
-        if (seg.past == 0) {
-          c.k = k.data_ptr<float>() + seg.begin * kvd;
-          c.v = v.data_ptr<float>() + seg.begin * kvd;
-        } else {
+        cpu::AttentionChunk c{q.data_ptr<float>() + seg.begin * qd, k.data_ptr<float>() + seg.begin * kvd,
+                              v.data_ptr<float>() + seg.begin * kvd, attn.data_ptr<float>() + seg.begin * qd, seg.len,
+                              seg.past};
+        if (seg.past > 0) {
           const auto& ctx = meta.context_slots[i];
-          gathered.push_back(kv.k[l].index_select(0, ctx).contiguous());
-          c.k = gathered.back().data_ptr<float>();
-          gathered.push_back(kv.v[l].index_select(0, ctx).contiguous());
-          c.v = gathered.back().data_ptr<float>();
+          c.k = gathered.emplace_back(kv.k[l].index_select(0, ctx).contiguous()).data_ptr<float>();
+          c.v = gathered.emplace_back(kv.v[l].index_select(0, ctx).contiguous()).data_ptr<float>();
         }
         chunks.push_back(c);
       }
-      cpu::causal_attention(chunks, qd, kvd, qd, nh, nkv, hd);
-    }
-    // Else libtorch's fused attention (no AVX2, or a head size our kernel does not take).
-    for (std::size_t i : chunk_segs) {
-      if (own_attention) break;
-      const auto& seg = batch.segs[i];
-      auto qs = q.narrow(0, seg.begin, seg.len).view({seg.len, nh, hd});
-      at::Tensor out;
-      if (seg.past == 0) {
-        out = segment_attention(qs, k.narrow(0, seg.begin, seg.len).view({seg.len, nkv, hd}),
-                                v.narrow(0, seg.begin, seg.len).view({seg.len, nkv, hd}), 0);
-      } else {
-        const auto& ctx = meta.context_slots[i];
-        out = segment_attention(qs, kv.k[l].index_select(0, ctx), kv.v[l].index_select(0, ctx), seg.past);
+      if (!chunks.empty()) cpu::causal_attention(chunks, qd, kvd, qd, nh, nkv, hd);
+    } else {
+      // libtorch's fused attention (no AVX2, or a head size our kernel does not take).
+      for (std::size_t i : chunk_segs) {
+        const auto& seg = batch.segs[i];
+        auto qs = q.narrow(0, seg.begin, seg.len).view({seg.len, nh, hd});
+        at::Tensor out;
+        if (seg.past == 0) {
+          out = segment_attention(qs, k.narrow(0, seg.begin, seg.len).view({seg.len, nkv, hd}),
+                                  v.narrow(0, seg.begin, seg.len).view({seg.len, nkv, hd}), 0);
+        } else {
+          const auto& ctx = meta.context_slots[i];
+          out = segment_attention(qs, kv.k[l].index_select(0, ctx), kv.v[l].index_select(0, ctx), seg.past);
+        }
+        attn.narrow(0, seg.begin, seg.len).copy_(out);
       }
-      attn.narrow(0, seg.begin, seg.len).copy_(out);
     }
     auto o = at::empty({B, d}, f32);
     project(attn, {{&Ly.o_w, nullptr, &o}}, lp, li, {{&o, LoraModule::kO}});
