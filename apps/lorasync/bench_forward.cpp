@@ -22,6 +22,8 @@
 #include <random>
 
 #include "commands.h"
+#include "core/model/decode_graphs.h"
+#include "core/model/device_kernels.h"
 #include "core/model/lora.h"
 #include "core/model/perf.h"
 #include "core/model/qwen2_model.h"
@@ -78,6 +80,47 @@ double copy_gb_per_s(c10::Device device) {
 // The mixed-adapter timing against the base model's: `pairs` pairs (at least 5) of adjacent
 // timings, the order swapped every pair so a drift hurts both sides alike; returns the best of each
 // (the base's including `base_best`, timed before) and records the median of the pairs' ratios
+// The same decode steps replayed from CUDA graphs (model/decode_graphs.h) on a copy of the cache
+// (plus the padding rows' scratch slot), against the eager steps timed just before.
+void bench_decode_graphs(BenchReporter& rep, const model::Qwen2Model& m, model::ContiguousKvCache& cache, std::int64_t b,
+                         std::int64_t cap, std::vector<std::int64_t> pos, std::int64_t steps, int repeats,
+                         std::optional<double> eager_tps, nlohmann::json cfg) {
+  const auto& c = m.config();
+  auto pool = model::KvPool::allocate(c, b * cap + 1, m.dtype(), m.device());
+  for (std::size_t l = 0; l < pool.k.size(); ++l) {
+    pool.k[l].narrow(0, 0, b * cap).copy_(cache.pool().k[l]);
+    pool.v[l].narrow(0, 0, b * cap).copy_(cache.pool().v[l]);
+  }
+  model::DecodeGraphs::Options go;
+  go.buckets = {b};
+  go.max_context = cap;
+  go.scratch_slot = b * cap;
+  model::DecodeGraphs graphs(m, pool, go);
+  auto step_all = [&] {
+    for (std::int64_t st = 0; st < steps; ++st) {
+      model::DecodeStep ds;
+      for (std::int64_t i = 0; i < b; ++i) {
+        const auto p = pos[static_cast<std::size_t>(i)];
+        if (p + 1 > cap) throw_invalid("bench forward: the decode graphs' cache of {} tokens is full", cap);
+        ds.tokens.push_back((i * 7 + p) % c.vocab_size);
+        ds.positions.push_back(p);
+        ds.slot_mapping.push_back(i * cap + p);
+        ds.lens.push_back(p + 1);
+        for (std::int64_t q = 0; q <= p; ++q) ds.context.push_back(i * cap + q);
+      }
+      (void)graphs.run(ds, {});
+      for (auto& p : pos) ++p;
+    }
+  };
+  const double secs = seconds_of(step_all, m.device(), repeats);
+  const double tps = static_cast<double>(b * steps) / secs;
+  cfg["path"] = "cuda_graphs";
+  cfg["captures"] = graphs.stats().captures;
+  cfg["capture_ms"] = 1e3 * graphs.stats().capture_seconds;
+  cfg["baseline"] = "eager decode steps of the same run";
+  rep.emit({"forward", "decode_tokens_per_s_graphs", tps, "tokens/s", eager_tps, cfg});
+}
+
 // (base time / mixed time) in cfg["pair_ratio_median"]: on the 2-core VM the base decode alone
 // moved by 25% from one timing to the next, and the median of adjacent pairs is the steadier figure.
 std::pair<double, double> alternate(const std::function<double(bool)>& time_one, double base_best, int pairs,
@@ -203,8 +246,10 @@ int run(const BenchForwardOptions& o) {
     // Decode at several batch sizes.
     for (auto b : parse_int_list(o.decode_batches, "--decode-batches")) {
       // Every timing runs decode_steps tokens on the same cache, so later ones see longer contexts:
-      // (1 + repeats) for each path, 2 x max(5, repeats) pairs for --adapters, each with a warm-up.
-      const std::int64_t cap = o.context + o.decode_steps * 2 * (o.repeats + 1 + 2 * std::max(5, o.repeats)) + 1;
+      // (1 + repeats) for each path, 2 x max(5, repeats) pairs for --adapters, each with a warm-up,
+      // and (1 + repeats) for the decode graphs on CUDA.
+      const std::int64_t cap =
+          o.context + o.decode_steps * (2 * (o.repeats + 1 + 2 * std::max(5, o.repeats)) + o.repeats + 1) + 1;
       model::ContiguousKvCache cache(cfg, b, cap, dtype, device);
       std::vector<std::vector<std::int64_t>> ctx(static_cast<std::size_t>(b));
       std::vector<std::int64_t> ids;
@@ -258,6 +303,7 @@ int run(const BenchForwardOptions& o) {
       std::vector<engine::SampleRow> srows;
       for (auto& g : rngs) srows.push_back({&sp, &g, nullptr});
       auto sample_once = [&] { (void)engine::sample_batch(logits, srows); };
+      std::optional<double> eager_tps;
       for (const auto& path : paths) {
         const bool fast = path == "fast";
         const bool prev = model::set_cpu_fast_paths(fast);
@@ -274,6 +320,7 @@ int run(const BenchForwardOptions& o) {
           continue;
         }
         rep.emit({"forward", "decode_tokens_per_s", tps, "tokens/s", ref_tps, pc});
+        eager_tps = tps;
         rep.emit({"forward", "decode_gflops", dflops / ds / 1e9, "GFLOP/s", peak, pc});
         const double weight_bytes = static_cast<double>(cfg.n_params()) * static_cast<double>(at::elementSize(dtype));
         rep.emit({"forward", "decode_weight_stream_gb_per_s", weight_bytes * static_cast<double>(o.decode_steps) / ds / 1e9,
@@ -299,6 +346,8 @@ int run(const BenchForwardOptions& o) {
           rep.emit({"forward", "decode_tokens_per_s_adapters", toks / ms, "tokens/s", toks / bs2, ac});
         }
       }
+      if (device.is_cuda() && model::have_cuda_kernels() && eager_tps)
+        bench_decode_graphs(rep, *m, cache, b, cap, pos, o.decode_steps, o.repeats, eager_tps, dc);
     }
   }
   rep.print_table();

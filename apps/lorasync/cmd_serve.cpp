@@ -59,6 +59,8 @@ void register_serve(CLI::App& root, Registry& reg) {
   auto no_prefix = std::make_shared<bool>(false);
   sub->add_flag("--no-enable-prefix-caching", *no_prefix, "disable the prefix cache");
   sub->add_option("--enable-prefix-caching", o->enable_prefix_caching, "true|false")->capture_default_str();
+  sub->add_flag("--enforce-eager", o->enforce_eager,
+                "run decode steps without CUDA graphs (they are captured per batch-size bucket on CUDA by default)");
   sub->add_option("--max-loras", o->max_loras, "adapter slots")->capture_default_str();
   sub->add_option("--max-lora-rank", o->max_lora_rank, "largest adapter rank")->capture_default_str();
   sub->add_option("--allowed-adapter-root", o->allowed_adapter_roots, "adapter paths must lie under one of these (repeatable)");

@@ -4,6 +4,7 @@
 
 #include <limits>
 
+#include "core/model/device_kernels.h"
 #include "core/model/runtime.h"
 #include "engine/engine_impl.h"
 #include "util/error.h"
@@ -51,8 +52,25 @@ Engine::Engine(std::shared_ptr<const model::Qwen2Model> m, std::shared_ptr<const
         opts_.kv_cache_bytes, n_blocks * opts_.block_size, n_blocks, opts_.block_size,
         opts_.max_model_len, (opts_.max_model_len + opts_.block_size - 1) / opts_.block_size * per_block);
   impl_ = std::make_unique<Impl>(std::move(m), std::move(t), opts_);
+  using GraphMode = EngineOptions::GraphMode;
+  const auto dev = impl_->model->device();
+  const bool graphs = opts_.graph_mode == GraphMode::kAlways ||
+                      (opts_.graph_mode == GraphMode::kAuto && dev.is_cuda() && model::have_cuda_kernels());
+  // With decode graphs, one slot past the blocks' is the padding rows' scratch slot.
   impl_->pool = std::make_unique<model::KvPool>(model::KvPool::allocate(
-      cfg, n_blocks * opts_.block_size, impl_->model->dtype(), impl_->model->device()));
+      cfg, n_blocks * opts_.block_size + (graphs ? 1 : 0), impl_->model->dtype(), dev));
+  if (graphs) {
+    model::DecodeGraphs::Options go;
+    // Contexts up to 8,192 tokens replay graphs (as vLLM's default); a step with a longer row
+    // runs eagerly. The static context table costs 8 bytes per row and position.
+    go.max_context = std::min<std::int64_t>(opts_.max_model_len, 8192);
+    go.scratch_slot = n_blocks * opts_.block_size;
+    std::erase_if(go.buckets, [&](std::int64_t b) { return b > opts_.max_num_seqs; });
+    for (std::int64_t b = 384; b < opts_.max_num_seqs; b += 128) go.buckets.push_back(b);
+    go.buckets.push_back(opts_.max_num_seqs);
+    impl_->graphs = std::make_unique<model::DecodeGraphs>(*impl_->model, *impl_->pool, go);
+    if (opts_.graph_mode == GraphMode::kAuto && !impl_->graphs->capturing()) impl_->graphs.reset();
+  }
   impl_->bm = std::make_unique<BlockManager>(n_blocks, opts_.block_size, opts_.enable_prefix_caching);
   impl_->base_seed = seed_hash(std::string("base\0", 5) + opts_.served_model_name);
   impl_->slots.resize(static_cast<std::size_t>(opts_.max_loras));

@@ -54,6 +54,11 @@ struct EngineOptions {
   std::int64_t block_size = 16;              // tokens per KV block
   std::int64_t kv_cache_bytes = 1ll << 30;   // size of the KV pool
   bool enable_prefix_caching = true;
+  // Decode steps replayed from CUDA graphs, one per batch-size bucket (core/model/decode_graphs.h):
+  // kAuto where the model is on CUDA and the build has our kernels; kOff never (serve
+  // --enforce-eager); kAlways also elsewhere, where the same static buffers run eagerly (tests).
+  enum class GraphMode { kAuto, kOff, kAlways };
+  GraphMode graph_mode = GraphMode::kAuto;
   int max_loras = 4;                          // adapter slots
   std::int64_t max_lora_rank = 64;
   std::vector<std::int32_t> eos_ids;         // model EOS ids (stop unless ignore_eos)
@@ -117,6 +122,9 @@ struct EngineStats {
   std::int64_t fork_shared_tokens = 0;       // prompt tokens shared by n > 1 forks
   std::int64_t prefill_tokens_computed = 0;
   std::int64_t preemptions = 0, steps = 0;
+  // All-decode steps run by the decode graphs (replayed, or eagerly on their buffers), and the
+  // graphs captured (model/decode_graphs.h).
+  std::int64_t decode_graph_steps = 0, decode_graph_captures = 0;
   std::int64_t adapter_loads = 0, adapter_load_failures = 0, adapter_unloads = 0;
   std::int64_t step_failures = 0, command_failures = 0, rejected_queue_full = 0;
   std::map<std::string, std::int64_t> requests_by_model;

@@ -16,6 +16,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include "core/model/decode_graphs.h"
 #include "core/model/qwen2_model.h"
 #include "core/tokenizer/tokenizer.h"
 #include "engine/block_manager.h"
@@ -100,6 +101,7 @@ struct Engine::Impl {
   std::shared_ptr<const tok::Tokenizer> tokenizer;
   EngineOptions opts;
   std::unique_ptr<model::KvPool> pool;
+  std::unique_ptr<model::DecodeGraphs> graphs;  // all-decode steps (null: off); after `pool`
   std::unique_ptr<BlockManager> bm;
   BlockHash base_seed;
 
@@ -427,6 +429,10 @@ struct Engine::Impl {
   // ---- scheduling and one step (engine_step.cpp) -----------------------------------------
   std::vector<Sched> schedule();
   void step(const std::vector<Sched>& sched);
+  at::Tensor forward_step(model::Batch& batch, model::AttnMeta& meta, const std::vector<std::int64_t>& toks,
+                          const std::vector<std::int64_t>& pos, const std::vector<std::int64_t>& slot_map,
+                          const std::vector<int>& row_slot, const std::vector<std::vector<std::int64_t>>& ctx,
+                          bool all_decode, std::int64_t lmax);
   void append_token(Sequence* s, TokenOut t, double now);
 
   // ---- the loop --------------------------------------------------------------------------

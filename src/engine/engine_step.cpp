@@ -126,35 +126,31 @@ void Engine::Impl::step(const std::vector<Sched>& sched) {
       ctx[i].push_back(static_cast<std::int64_t>(s->blocks[static_cast<std::size_t>(p / bs)]) * bs + p % bs);
   }
   auto lopt = at::TensorOptions().dtype(at::kLong);
-  batch.tokens = at::tensor(toks, lopt).to(dev);
-  batch.positions = at::tensor(pos, lopt).to(dev);
-  meta.slot_mapping = at::tensor(slot_map, lopt).to(dev);
-  if (all_decode && (sched.size() > 1 || dev.is_cuda())) {
-    // The padded decode table (on CUDA at batch 1 too: the paged decode kernel reads it).
-    const auto B = static_cast<std::int64_t>(sched.size());
-    std::vector<std::int64_t> flat(static_cast<std::size_t>(B * lmax), 0), lens;
-    std::vector<float> bias(static_cast<std::size_t>(B * lmax), -std::numeric_limits<float>::infinity());
-    for (std::int64_t b = 0; b < B; ++b) {
-      const auto& c = ctx[static_cast<std::size_t>(b)];
-      for (std::size_t p = 0; p < c.size(); ++p) {
-        flat[static_cast<std::size_t>(b * lmax) + p] = c[p];
-        bias[static_cast<std::size_t>(b * lmax) + p] = 0;
-      }
-      lens.push_back(static_cast<std::int64_t>(c.size()));
-    }
-    meta.decode_slots = at::tensor(flat, lopt).view({B, lmax}).to(dev);
-    meta.decode_bias = at::tensor(bias, at::TensorOptions().dtype(at::kFloat)).view({B, lmax}).to(dev);
-    meta.decode_lens = at::tensor(lens, lopt).to(dev);
-  } else {
-    for (std::size_t i = 0; i < sched.size(); ++i)
-      meta.context_slots.push_back(sched[i].seq->n_computed > 0 ? at::tensor(ctx[i], lopt).to(dev) : at::Tensor());
+  // All-decode steps that fit a decode graph bucket run there (model/decode_graphs.h).
+  model::AdapterSet graph_ads;
+  bool use_graph = false;
+  if (graphs && all_decode) {
+    for (const auto& sl : slots) graph_ads.push_back(sl.adapter ? sl.adapter->weights : nullptr);
+    use_graph = graphs->fits(static_cast<std::int64_t>(sched.size()), lmax, graph_ads);
   }
-  std::vector<const model::LoraAdapter*> ads;
-  for (const auto& sl : slots) ads.push_back(sl.adapter ? sl.adapter->weights.get() : nullptr);
-  auto lora = model::LoraBatch::from_row_slots(ads, row_slot, dev);
-
   at::NoGradGuard ng;
-  auto hidden = model->forward(batch, &lora, pool.get(), &meta);
+  at::Tensor hidden, step_logits;
+  if (use_graph) {
+    model::DecodeStep ds;
+    ds.tokens = std::move(toks);
+    ds.positions = std::move(pos);
+    ds.slot_mapping = std::move(slot_map);
+    ds.adapter_slot = std::move(row_slot);
+    for (auto& c : ctx) {
+      ds.lens.push_back(static_cast<std::int64_t>(c.size()));
+      ds.context.insert(ds.context.end(), c.begin(), c.end());
+    }
+    step_logits = graphs->run(ds, graph_ads);
+    ++st.decode_graph_steps;
+    st.decode_graph_captures = graphs->stats().captures;
+  } else {
+    hidden = forward_step(batch, meta, toks, pos, slot_map, row_slot, ctx, all_decode, lmax);
+  }
   // The forward pass worked: the failure streak ends before any output of this step is
   // delivered (a client that got its answer must not then see /health still failing).
   consecutive_failures = 0;
@@ -191,7 +187,15 @@ void Engine::Impl::step(const std::vector<Sched>& sched) {
       }
     }
   }
-  auto logits = model->logits(hidden.index_select(0, at::tensor(rows, lopt).to(dev)));
+  at::Tensor logits;
+  if (step_logits.defined()) {
+    // The graph's logits cover every row of the batch: keep the sampling rows.
+    bool identity = static_cast<std::int64_t>(rows.size()) == step_logits.size(0);
+    for (std::size_t i = 0; identity && i < rows.size(); ++i) identity = rows[i] == static_cast<std::int64_t>(i);
+    logits = identity ? step_logits : step_logits.index_select(0, at::tensor(rows, lopt).to(dev));
+  } else {
+    logits = model->logits(hidden.index_select(0, at::tensor(rows, lopt).to(dev)));
+  }
   if (logit_rows.size() != samplers.size())
     logits = logits.index_select(0, at::tensor(logit_rows, lopt).to(dev));
   std::vector<SampleRow> srows;
@@ -199,6 +203,44 @@ void Engine::Impl::step(const std::vector<Sched>& sched) {
   auto outs = sample_batch(logits, srows);
   const double now = now_seconds();
   for (std::size_t i = 0; i < targets.size(); ++i) append_token(targets[i], std::move(outs[i]), now);
+}
+
+// The forward of a step outside the decode graphs: the batch's tensors, the KV plan (the padded
+// decode table when every row is one token) and the LoRA rows, then the model.
+at::Tensor Engine::Impl::forward_step(model::Batch& batch, model::AttnMeta& meta, const std::vector<std::int64_t>& toks,
+                                      const std::vector<std::int64_t>& pos, const std::vector<std::int64_t>& slot_map,
+                                      const std::vector<int>& row_slot, const std::vector<std::vector<std::int64_t>>& ctx,
+                                      bool all_decode, std::int64_t lmax) {
+  const c10::Device dev = model->device();
+  auto lopt = at::TensorOptions().dtype(at::kLong);
+  const std::size_t n_seqs = ctx.size();
+  batch.tokens = at::tensor(toks, lopt).to(dev);
+  batch.positions = at::tensor(pos, lopt).to(dev);
+  meta.slot_mapping = at::tensor(slot_map, lopt).to(dev);
+  if (all_decode && (n_seqs > 1 || dev.is_cuda())) {
+    // The padded decode table (on CUDA at batch 1 too: the paged decode kernel reads it).
+    const auto B = static_cast<std::int64_t>(n_seqs);
+    std::vector<std::int64_t> flat(static_cast<std::size_t>(B * lmax), 0), lens;
+    std::vector<float> bias(static_cast<std::size_t>(B * lmax), -std::numeric_limits<float>::infinity());
+    for (std::int64_t b = 0; b < B; ++b) {
+      const auto& c = ctx[static_cast<std::size_t>(b)];
+      for (std::size_t p = 0; p < c.size(); ++p) {
+        flat[static_cast<std::size_t>(b * lmax) + p] = c[p];
+        bias[static_cast<std::size_t>(b * lmax) + p] = 0;
+      }
+      lens.push_back(static_cast<std::int64_t>(c.size()));
+    }
+    meta.decode_slots = at::tensor(flat, lopt).view({B, lmax}).to(dev);
+    meta.decode_bias = at::tensor(bias, at::TensorOptions().dtype(at::kFloat)).view({B, lmax}).to(dev);
+    meta.decode_lens = at::tensor(lens, lopt).to(dev);
+  } else {
+    for (std::size_t i = 0; i < n_seqs; ++i)
+      meta.context_slots.push_back(batch.segs[i].past > 0 ? at::tensor(ctx[i], lopt).to(dev) : at::Tensor());
+  }
+  std::vector<const model::LoraAdapter*> ads;
+  for (const auto& sl : slots) ads.push_back(sl.adapter ? sl.adapter->weights.get() : nullptr);
+  auto lora = model::LoraBatch::from_row_slots(ads, row_slot, dev);
+  return model->forward(batch, &lora, pool.get(), &meta);
 }
 
 void Engine::Impl::append_token(Sequence* s, TokenOut t, double now) {

@@ -243,6 +243,10 @@ std::string ApiServer::Impl::metrics() const {
   counter("prefix_cache_hit_tokens_total", "prompt tokens served from the prefix cache", static_cast<double>(s.prefix_cache_hit_tokens));
   counter("fork_shared_tokens_total", "prompt tokens shared by the n > 1 forks of a request", static_cast<double>(s.fork_shared_tokens));
   counter("prefill_tokens_computed_total", "prompt tokens computed", static_cast<double>(s.prefill_tokens_computed));
+  counter("decode_graph_steps_total", "all-decode steps run by the CUDA-graph decode path",
+          static_cast<double>(s.decode_graph_steps));
+  counter("decode_graph_captures_total", "decode graphs captured (per batch-size bucket and adapter set)",
+          static_cast<double>(s.decode_graph_captures));
   counter("preemptions_total", "sequences preempted (recomputed later)", static_cast<double>(s.preemptions));
   counter("adapter_loads_total", "adapter loads", static_cast<double>(s.adapter_loads));
   counter("adapter_load_failures_total", "adapter loads refused", static_cast<double>(s.adapter_load_failures));
@@ -605,6 +609,7 @@ ApiServer::ApiServer(ServeOptions o) : impl_(std::make_unique<Impl>()) {
   eo.block_size = I.opt.block_size;
   eo.kv_cache_bytes = static_cast<std::int64_t>(parse_bytes(I.opt.kv_cache_memory, "--kv-cache-memory"));
   eo.enable_prefix_caching = I.opt.enable_prefix_caching;
+  eo.graph_mode = I.opt.enforce_eager ? engine::EngineOptions::GraphMode::kOff : engine::EngineOptions::GraphMode::kAuto;
   eo.max_loras = I.opt.max_loras;
   eo.max_lora_rank = I.opt.max_lora_rank;
   for (auto id : I.model->config().eos_token_ids) eo.eos_ids.push_back(static_cast<std::int32_t>(id));

@@ -31,6 +31,7 @@ struct ServeOptions {
   std::string kv_cache_memory = "1GiB";
   std::int64_t block_size = 16;
   bool enable_prefix_caching = true;
+  bool enforce_eager = false;               // no CUDA graphs for decode steps
   int max_loras = 4;
   std::int64_t max_lora_rank = 16;
   std::vector<std::string> allowed_adapter_roots;  // empty = any path

@@ -9,6 +9,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
+#include <memory>
 #include <vector>
 
 namespace lorasync::model {
@@ -46,6 +48,19 @@ inline constexpr int kLoraKernelMaxAdapters = 32;
 bool lora_tiles_fit(const at::Tensor& x, const std::vector<at::Tensor>& A, const std::vector<at::Tensor>& B);
 void lora_apply_tiles(const at::Tensor& x, at::Tensor& y, const at::Tensor& tiles, const std::vector<at::Tensor>& A,
                       const std::vector<at::Tensor>& B, const std::vector<double>& scales);
+
+// CUDA graphs (at::cuda::CUDAGraph). capture_graph runs `body` once on a side stream of `device`
+// (the warm-up: it really computes, and creates cuBLAS handles and workspaces outside the
+// capture), then captures a second call into a graph, in thread-local capture mode so that other
+// threads' CUDA calls are not disturbed. The graph's memory comes from the pool of `share_pool`
+// (null: a new pool); tensors the body allocates must not be used after it returns. The current
+// stream waits for the side stream's work. replay_graph launches the graph on the current stream.
+// Unsupported (named) in a build without our CUDA kernels; capture errors are thrown with CUDA's
+// message (the caller falls back to eager steps).
+struct Graph;
+bool graphs_available();
+std::shared_ptr<Graph> capture_graph(const std::function<void()>& body, c10::Device device, const Graph* share_pool);
+void replay_graph(Graph& graph);
 }  // namespace cuda
 
 }  // namespace lorasync::model

@@ -23,6 +23,14 @@ void lora_apply_tiles(const at::Tensor&, at::Tensor&, const at::Tensor&, const s
                       const std::vector<at::Tensor>&, const std::vector<double>&) {
   throw_unsupported("cuda::lora_apply_tiles: this build has no CUDA kernels (configure the cuda preset)");
 }
+struct Graph {};
+bool graphs_available() { return false; }
+std::shared_ptr<Graph> capture_graph(const std::function<void()>&, c10::Device, const Graph*) {
+  throw_unsupported("cuda::capture_graph: this build has no CUDA kernels (configure the cuda preset)");
+}
+void replay_graph(Graph&) {
+  throw_unsupported("cuda::replay_graph: this build has no CUDA kernels (configure the cuda preset)");
+}
 }  // namespace cuda
 
 }  // namespace lorasync::model

@@ -242,6 +242,18 @@ LoraBatch LoraBatch::from_row_slots(const std::vector<const LoraAdapter*>& adapt
   return b;
 }
 
+LoraBatch LoraBatch::with_tiles(const std::vector<const LoraAdapter*>& parts, at::Tensor tiles, std::int64_t rows) {
+  LoraBatch b;
+  for (const LoraAdapter* a : parts) {
+    LS_CHECK(a != nullptr, "with_tiles: a null adapter");
+    b.parts_.push_back({a, at::Tensor()});
+  }
+  b.tiles_ = std::move(tiles);
+  b.rows_ = rows;
+  b.tiles_only_ = true;
+  return b;
+}
+
 std::vector<int> lora_tiles(const std::vector<std::vector<std::int64_t>>& rows_of_part, int tile_rows) {
   std::vector<int> out;
   for (std::size_t part = 0; part < rows_of_part.size(); ++part) {
@@ -292,6 +304,9 @@ bool LoraBatch::apply_batched(const at::Tensor& x, at::Tensor& y, std::int64_t l
 at::Tensor LoraBatch::apply(const at::Tensor& x, at::Tensor y, std::int64_t layer,
                             LoraModule m) const {
   if (apply_batched(x, y, layer, m)) return y;
+  if (tiles_only_)
+    throw_unsupported("LoraBatch::with_tiles: layer {} {} cannot run the batched LoRA kernel (x {} on {}, {} adapters)",
+                      layer, lora_module_name(m), std::string(c10::str(x.sizes())), x.device().str(), parts_.size());
   for (const auto& p : parts_) {
     if (!p.adapter->config().targets_module(m)) continue;
     const auto& A = p.adapter->A(layer, m);

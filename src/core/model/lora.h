@@ -94,6 +94,11 @@ class LoraBatch {
   // Row r uses adapters[slot_of_row[r]]; slot -1 = base model. Groups rows by adapter.
   static LoraBatch from_row_slots(const std::vector<const LoraAdapter*>& adapters,
                                   const std::vector<int>& slot_of_row, c10::Device device);
+  // For a captured decode graph (decode_graphs.h): part p is parts[p] (every one non-null), rows
+  // as the int32 tiles table on the device says (its content may change between replays), `rows`
+  // rows in all. Applies only through the batched CUDA kernel (apply throws Unsupported where it
+  // cannot run).
+  static LoraBatch with_tiles(const std::vector<const LoraAdapter*>& parts, at::Tensor tiles, std::int64_t rows);
   bool empty() const { return parts_.empty(); }
   const std::vector<LoraRows>& parts() const { return parts_; }
   // The A and B factors every part's adapter has at `layer` (targeted modules only).
@@ -109,6 +114,7 @@ class LoraBatch {
   std::vector<LoraRows> parts_;
   at::Tensor tiles_;  // int32 [n_tiles, 2 + tile_rows] on the device (lora_tiles), parts_ order
   std::int64_t rows_ = 0;
+  bool tiles_only_ = false;  // with_tiles: no per-part rows, so only the batched kernel applies
 };
 
 // Whether from_row_slots may use the batched CUDA kernel (default true); process-wide, returns the

@@ -210,6 +210,56 @@ TEST(Engine, BatchInvarianceAcrossAdaptersAndSeeds) {
   }
 }
 
+TEST(Engine, DecodeGraphStepsGiveTheEagerEnginesTokens) {
+  // GraphMode::kAlways on the CPU: every all-decode step runs on the decode graphs' static
+  // buffers (padded to its bucket, padding rows on the scratch slot, adapters by slot), as a
+  // captured CUDA graph would replay them; kOff runs the engine's own decode batch.
+  auto on = small_opts();
+  on.kv_cache_bytes = 16 << 20;
+  on.graph_mode = EngineOptions::GraphMode::kAlways;
+  auto off = on;
+  off.graph_mode = EngineOptions::GraphMode::kOff;
+  std::int64_t graph_steps = 0;
+  auto run_all = [&](const EngineOptions& o) {
+    Engine e(env().model, env().tokenizer, o);
+    for (int i = 0; i < 3; ++i) e.install_adapter(make_adapter("g" + std::to_string(i), 40 + i)).get();
+    const std::vector<std::string> models = {"base", "g0", "g1", "g2"};
+    std::vector<std::shared_ptr<Collector>> cs;
+    for (int i = 0; i < 13; ++i) {
+      SamplingParams p;
+      p.max_tokens = 6 + i % 5;
+      p.ignore_eos = true;
+      p.logprobs = 0;
+      if (i % 3 == 0) {
+        p.temperature = 0.8;
+        p.seed = 7 + i;
+      } else {
+        p.temperature = 0;
+      }
+      cs.push_back(run(e, models[static_cast<std::size_t>(i % 4)], prompt_of(50 + i, 3 + (i * 11) % 30), p,
+                       "d" + std::to_string(i)));
+    }
+    std::vector<Collector::Choice> out;
+    for (auto& c : cs) {
+      c->wait();
+      out.push_back(c->choice(0));
+    }
+    graph_steps = e.stats().decode_graph_steps;
+    return out;
+  };
+  auto want = run_all(off);
+  EXPECT_EQ(graph_steps, 0);
+  auto got = run_all(on);
+  EXPECT_GT(graph_steps, 3);  // the steps after every prompt was in: 7 here
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].ids, want[i].ids) << "request " << i;
+    ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size()) << i;
+    for (std::size_t k = 0; k < got[i].logprobs.size(); ++k)
+      EXPECT_NEAR(got[i].logprobs[k], want[i].logprobs[k], 1e-4) << i << "/" << k;
+  }
+}
+
 TEST(Engine, PrefixCacheKeyedByAdapterAndGroupPrefillsOnce) {
   Engine e(env().model, env().tokenizer, small_opts());
   e.install_adapter(make_adapter("x", 1)).get();

@@ -7,6 +7,7 @@
 //   - our batched LoRA kernel against the per-adapter path (and its time), and a mixed-adapter
 //     decode with a KV cache on CUDA against the CPU;
 //   - the packed row's varlen flash attention against the per-segment path, with gradients;
+//   - decode graphs: captured replays against eager steps on the same static buffers;
 //   - a whole random model: bf16 and fp32 logits on CUDA against fp32 on the CPU, with and without
 //     a LoRA adapter, and the trainer's packed logprobs with their gradient.
 #include <ATen/ATen.h>
@@ -23,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/model/decode_graphs.h"
 #include "core/model/device_kernels.h"
 #include "core/model/kv_cache.h"
 #include "core/model/logprobs.h"
@@ -361,6 +363,83 @@ TEST(Gpu, ModelLogitsOnCudaMatchTheCpu) {
       std::printf("gpu: tiny model %s lora=%d logits max |diff| %.3g (max |logit| %.3g)\n",
                   c10::toString(dt), with_lora ? 1 : 0, diff, scale);
     }
+  }
+}
+
+TEST(Gpu, DecodeGraphReplaysEqualEagerStepsAndAreTimed) {
+  REQUIRE_GPU();
+  if (!have_cuda_kernels()) GTEST_SKIP() << "decode graphs need our CUDA kernels (cuda preset)";
+  // Two DecodeGraphs on identical pools, one capturing and replaying, one eager on the same static
+  // buffers: steps of 5, 3, 1 and 8 rows on two adapters and the base model, the logits compared
+  // step by step (the graphs' first step of each bucket is its warm-up, later ones replays).
+  Qwen2Config c = Qwen2Config::preset("tiny");
+  c.vocab_size = 2048;
+  auto w = random_weights(c, 5, at::kFloat, 0.1);
+  const auto dev = at::Device(at::kCUDA, 0);
+  LoraConfig lc;
+  lc.rank = 4;
+  lc.alpha = 8;
+  lc.targets = LoraConfig::parse_targets({"all-linear"});
+  for (auto dt : {at::kFloat, at::kBFloat16}) {
+    auto m = Qwen2Model::from_named(c, w, dt, dev);
+    AdapterSet ads;
+    for (int i = 0; i < 2; ++i) {
+      auto a = LoraAdapter::init(lc, c, 60 + static_cast<std::uint64_t>(i), at::kCPU);
+      for (std::int64_t l = 0; l < c.num_hidden_layers; ++l)
+        for (auto mod : lc.targets) a.B(l, mod).normal_(0, 0.2);
+      ads.push_back(std::make_shared<const LoraAdapter>(a.to(dev)));
+    }
+    const std::int64_t n = 8, cap = 64;
+    KvPool pg = KvPool::allocate(c, n * cap + 1, dt, dev), pe = KvPool::allocate(c, n * cap + 1, dt, dev);
+    for (std::size_t l = 0; l < pg.k.size(); ++l) {
+      pg.k[l].zero_(), pg.v[l].zero_(), pe.k[l].zero_(), pe.v[l].zero_();
+    }
+    DecodeGraphs::Options o;
+    o.buckets = {1, 4, 8};
+    o.max_context = cap;
+    o.scratch_slot = n * cap;
+    DecodeGraphs graphs(*m, pg, o);
+    o.capture = false;
+    DecodeGraphs eager(*m, pe, o);
+    ASSERT_TRUE(graphs.capturing());
+    std::vector<std::int64_t> lens(static_cast<std::size_t>(n), 0);
+    const std::vector<std::int64_t> sizes = {5, 5, 3, 1, 8, 3, 8, 1, 5};
+    double worst = 0;
+    for (std::size_t st = 0; st < sizes.size(); ++st) {
+      DecodeStep ds;
+      for (std::int64_t i = 0; i < sizes[st]; ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        ds.tokens.push_back((i * 131 + static_cast<std::int64_t>(st) * 17) % c.vocab_size);
+        ds.positions.push_back(lens[k]);
+        ds.slot_mapping.push_back(i * cap + lens[k]);
+        ds.lens.push_back(lens[k] + 1);
+        for (std::int64_t p = 0; p <= lens[k]; ++p) ds.context.push_back(i * cap + p);
+        ds.adapter_slot.push_back(static_cast<int>(i % 3) - 1);  // base, adapter 0, adapter 1
+        ++lens[k];
+      }
+      auto want = eager.run(ds, ads).clone();
+      auto got = graphs.run(ds, ads).clone();
+      const double diff = max_abs_diff(got, want);
+      worst = std::max(worst, diff);
+      EXPECT_LE(diff, dt == at::kFloat ? 1e-4 : 0.05 * want.abs().max().item<double>()) << "step " << st;
+    }
+    EXPECT_EQ(graphs.stats().captures, 3);
+    EXPECT_EQ(graphs.stats().replays, static_cast<std::int64_t>(sizes.size()) - 3);
+    std::printf("gpu: decode graphs %s: %lld captures (%.1f ms in all), %lld replays, max |logit diff| vs eager %.3g\n",
+                c10::toString(dt), static_cast<long long>(graphs.stats().captures),
+                1e3 * graphs.stats().capture_seconds, static_cast<long long>(graphs.stats().replays), worst);
+    // A new adapter set drops the graphs: the next step captures again.
+    AdapterSet fewer = {ads[0], nullptr};
+    DecodeStep one;
+    one.tokens = {3};
+    one.positions = {lens[0]};
+    one.slot_mapping = {lens[0]};
+    one.lens = {lens[0] + 1};
+    for (std::int64_t p = 0; p <= lens[0]; ++p) one.context.push_back(p);
+    one.adapter_slot = {0};
+    auto before = graphs.stats().captures;
+    (void)graphs.run(one, fewer);
+    EXPECT_EQ(graphs.stats().captures, before + 1);
   }
 }
 
