@@ -344,7 +344,9 @@ Task<CallError> ResponseStream::read(std::string_view& piece) {
   for (;;) {
     if (I.parser->is_done()) {
       I.finished = true;
-      I.finish(I.parser->get().keep_alive());
+      // A body delimited by the end of the connection leaves nothing to reuse, whatever the
+      // headers said about keep-alive.
+      I.finish(I.parser->get().keep_alive() && !I.parser->need_eof());
       co_return CallError::kNone;
     }
     auto& body = I.parser->get().body();
