@@ -63,6 +63,18 @@ DecodeGraphs::DecodeGraphs(const Qwen2Model& model, KvPool& pool, Options option
       cuda::paged_decode_attention_fits(
           at::empty({1, cfg.num_attention_heads, cfg.head_dim}, at::TensorOptions().dtype(model_.dtype()).device(at::kMeta)),
           at::empty({1, cfg.num_key_value_heads, cfg.head_dim}, at::TensorOptions().dtype(model_.dtype()).device(at::kMeta)));
+  if (opts_.lora_slots < 0 || opts_.lora_rank < 0 || (opts_.lora_slots > 0 && opts_.lora_rank == 0))
+    throw_invalid("decode graphs: {} adapter slots of rank {}", opts_.lora_slots, opts_.lora_rank);
+  if (opts_.lora_slots > cuda::kLoraKernelMaxAdapters || opts_.lora_rank > cuda::kLoraKernelMaxRank)
+    throw_invalid("decode graphs: {} adapter slots of rank {} exceed the batched LoRA kernel's {} of rank <= {}",
+                  opts_.lora_slots, opts_.lora_rank, cuda::kLoraKernelMaxAdapters, cuda::kLoraKernelMaxRank);
+  if (opts_.lora_slots > 0) {
+    LoraConfig lc;
+    lc.rank = opts_.lora_rank;
+    lc.alpha = static_cast<double>(opts_.lora_rank);  // scaling 1: the copies carry it in B
+    lc.targets = LoraConfig::parse_targets({"all-linear"});
+    for (int i = 0; i < opts_.lora_slots; ++i) copies_.push_back(LoraAdapter::init(lc, cfg, 0, model_.device()));
+  }
   capture_ = opts_.capture && model_.device().is_cuda() && cuda::graphs_available() && attention_fits;
   if (opts_.capture && model_.device().is_cuda() && !capture_)
     LS_LOG_WARN("model", "CUDA graphs unavailable ({}): decode steps run eagerly",
@@ -83,40 +95,51 @@ void DecodeGraphs::reset() {
   first_graph_.reset();
 }
 
-void DecodeGraphs::set_adapters(const AdapterSet& adapters) {
-  if (adapters == adapters_) return;
-  reset();  // graphs hold the old adapters' weight addresses: captured again for the new set
-  adapters_ = adapters;
-  part_of_slot_.assign(adapters.size(), -1);
-  int parts = 0;
-  adapters_fit_ = true;
-  std::optional<c10::ScalarType> wt;
+bool DecodeGraphs::adapters_fit(const AdapterSet& adapters) const {
   for (std::size_t s = 0; s < adapters.size(); ++s) {
     const auto& a = adapters[s];
     if (!a) continue;
-    part_of_slot_[s] = parts++;
-    if (a->config().rank > cuda::kLoraKernelMaxRank) adapters_fit_ = false;
-    for (std::int64_t l = 0; l < a->n_layers() && adapters_fit_; ++l)
-      for (auto m : a->config().targets) {
-        const auto& A = a->A(l, m);
-        const auto& B = a->B(l, m);
-        if (!A.defined() || !B.defined() || A.device() != model_.device() || B.device() != model_.device() ||
-            !A.is_contiguous() || !B.is_contiguous() || A.scalar_type() != B.scalar_type() ||
-            (wt && *wt != A.scalar_type())) {
-          adapters_fit_ = false;
-          break;
-        }
-        wt = A.scalar_type();
+    if (s >= copies_.size() || a->config().rank > opts_.lora_rank ||
+        a->n_layers() != model_.config().num_hidden_layers)
+      return false;
+    for (std::int64_t l = 0; l < a->n_layers(); ++l)
+      for (auto m : a->config().targets)
+        if (!a->A(l, m).defined() || !a->B(l, m).defined()) return false;
+  }
+  return true;
+}
+
+// Copies each slot's adapter into the slot's fixed weights: A into the first r rows, B times the
+// adapter's scaling into the first r columns, zeros elsewhere (the copy has rank R and scaling 1,
+// and targets every module). The graphs read these addresses, so a new adapter needs no capture.
+bool DecodeGraphs::set_adapters(const AdapterSet& adapters) {
+  if (adapters == adapters_) return true;
+  if (!adapters_fit(adapters)) return false;
+  at::NoGradGuard no_grad;
+  for (std::size_t s = 0; s < adapters.size() && s < copies_.size(); ++s) {
+    const auto& a = adapters[s];
+    if (!a || (s < adapters_.size() && adapters_[s] == a)) continue;
+    LoraAdapter& dst = copies_[s];
+    const double scale = a->config().scaling();
+    const std::int64_t r = a->config().rank;
+    for (std::int64_t l = 0; l < dst.n_layers(); ++l)
+      for (auto m : dst.config().targets) {
+        auto& A = dst.A(l, m);
+        auto& B = dst.B(l, m);
+        A.zero_();
+        B.zero_();
+        if (!a->config().targets_module(m)) continue;
+        A.narrow(0, 0, r).copy_(a->A(l, m));
+        B.narrow(1, 0, r).copy_(a->B(l, m).to(at::kFloat) * scale);
       }
   }
-  if (parts > cuda::kLoraKernelMaxAdapters) adapters_fit_ = false;
+  adapters_ = adapters;  // holds them: no address is reused while a slot's copy stands for it
+  return true;
 }
 
 bool DecodeGraphs::fits(std::int64_t B, std::int64_t max_len, const AdapterSet& adapters) {
   if (bucket_for(B) == 0 || max_len < 1 || max_len > opts_.max_context) return false;
-  if (!capture_) return true;
-  set_adapters(adapters);
-  return adapters_fit_;
+  return set_adapters(adapters);
 }
 
 DecodeGraphs::Bucket& DecodeGraphs::bucket(std::int64_t Bb) {
@@ -125,8 +148,7 @@ DecodeGraphs::Bucket& DecodeGraphs::bucket(std::int64_t Bb) {
   slot = std::make_unique<Bucket>();
   Bucket& b = *slot;
   b.rows = Bb;
-  std::int64_t parts = 0;
-  for (int p : part_of_slot_) parts += p >= 0 ? 1 : 0;
+  const auto parts = static_cast<std::int64_t>(copies_.size());
   b.max_tiles = parts > 0 ? (Bb + cuda::kLoraKernelTileRows - 1) / cuda::kLoraKernelTileRows + parts : 0;
   const auto dev = model_.device();
   const std::int64_t words = b.ctx_offset() + opts_.max_context * Bb;
@@ -170,13 +192,11 @@ void DecodeGraphs::fill(Bucket& b, const DecodeStep& step, std::int64_t lmax) {
   }
   for (std::int64_t i = B; i < Bb; ++i) ctx[i] = scratch;
   if (b.max_tiles > 0) {
-    std::vector<std::vector<std::int64_t>> rows_of_part;
-    for (int p : part_of_slot_)
-      if (p >= 0) rows_of_part.emplace_back();
+    // Part p of the graph's LoRA batch is slot p's copy; rows of an empty slot use the base model.
+    std::vector<std::vector<std::int64_t>> rows_of_part(copies_.size());
     for (std::int64_t i = 0; i < B && !step.adapter_slot.empty(); ++i) {
       const int s = step.adapter_slot[static_cast<std::size_t>(i)];
-      if (s >= 0 && part_of_slot_[static_cast<std::size_t>(s)] >= 0)
-        rows_of_part[static_cast<std::size_t>(part_of_slot_[static_cast<std::size_t>(s)])].push_back(i);
+      if (s >= 0 && adapters_[static_cast<std::size_t>(s)]) rows_of_part[static_cast<std::size_t>(s)].push_back(i);
     }
     auto t = padded_lora_tiles(rows_of_part, cuda::kLoraKernelTileRows, b.max_tiles);
     std::memcpy(h + 4 * Bb, t.data(), t.size() * sizeof(int));
@@ -200,15 +220,15 @@ void DecodeGraphs::forward_into(Bucket& b, std::int64_t lmax_eager, const Decode
   AttnMeta meta;
   meta.slot_mapping = b.slot_mapping;
   meta.decode_lens = b.lens;
+  // Slot s's copy, or none for an empty slot (eager); the graph's batch has every copy as a part.
   std::vector<const LoraAdapter*> by_slot;
-  for (const auto& a : adapters_) by_slot.push_back(a.get());
+  for (std::size_t s = 0; s < adapters_.size(); ++s) by_slot.push_back(adapters_[s] ? &copies_[s] : nullptr);
   LoraBatch lora;
   if (step == nullptr) {
     meta.decode_slots = b.slots.contiguous();  // once per step, not once per layer
     if (b.max_tiles > 0) {
       std::vector<const LoraAdapter*> parts;
-      for (const auto* a : by_slot)
-        if (a) parts.push_back(a);
+      for (const auto& c : copies_) parts.push_back(&c);
       lora = LoraBatch::with_tiles(parts, b.tiles, Bb);
     }
   } else {
@@ -249,9 +269,8 @@ at::Tensor DecodeGraphs::run(const DecodeStep& step, const AdapterSet& adapters)
     if (s >= static_cast<int>(adapters.size())) throw_invalid("decode step: adapter slot {} of {}", s, adapters.size());
   if (!fits(B, lmax, adapters))
     throw_invalid("decode step of {} rows with contexts up to {} does not fit the decode graphs (buckets up to {}, "
-                  "contexts up to {}, adapters within the batched LoRA kernel's limits)",
-                  B, lmax, opts_.buckets.back(), opts_.max_context);
-  set_adapters(adapters);
+                  "contexts up to {}, at most {} adapter slots of rank <= {})",
+                  B, lmax, opts_.buckets.back(), opts_.max_context, copies_.size(), opts_.lora_rank);
   Bucket& b = bucket(bucket_for(B));
   fill(b, step, lmax);
   if (capture_) {

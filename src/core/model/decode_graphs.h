@@ -13,8 +13,9 @@
 //    prefix of the buffer: one host-to-device copy of that prefix per step;
 //  - outputs: fp32 logits [Bb, vocab], rows of one buffer shared by the buckets (allocated before
 //    any capture, sized for the largest bucket);
-//  - the KV pool (the caller's) and the adapters (the graphs are keyed by the adapter set, whose
-//    shared pointers they hold, and dropped when it changes).
+//  - the KV pool (the caller's) and one fixed copy of each adapter slot's weights (rank R, zero
+//    padded, scaling folded in), rewritten when the slot's adapter changes: the graphs outlive
+//    adapter changes, which an async RL trainer makes every step.
 // A batch of B rows runs in the smallest bucket >= B. Rows B..Bb are padding: token 0 at position
 // 0, writing its K and V to `scratch_slot` (a slot no sequence uses) and attending to it alone.
 // A bucket's graph is captured at its first step (the warm-up run before the capture computes that
@@ -66,6 +67,12 @@ class DecodeGraphs {
     std::int64_t max_context = 4096;  // Lcap: context slots per row in the static table
     std::int64_t scratch_slot = -1;   // a KV slot no sequence uses (required)
     bool capture = true;              // capture graphs where possible (CUDA with our kernels)
+    // Adapters: each slot's adapter is copied into fixed fp32 weights of rank `lora_rank`
+    // (zero-padded, its scaling folded into B, every module), which the graphs read: a new
+    // adapter in a slot costs one copy, not a capture. A set with more slots or a larger rank
+    // does not fit (the caller runs that step eagerly).
+    int lora_slots = 0;          // the engine's --max-loras (at most 32)
+    std::int64_t lora_rank = 0;  // R, the engine's --max-lora-rank (at most 64)
   };
   struct Stats {
     std::int64_t captures = 0;  // graphs captured (first step of a bucket, or after a new adapter set)
@@ -83,7 +90,7 @@ class DecodeGraphs {
   // The smallest bucket holding B rows; 0 when B exceeds the largest.
   std::int64_t bucket_for(std::int64_t B) const;
   // Whether a step of B rows whose longest context is max_len, with these adapters, can run here
-  // (buckets, Lcap; when capturing, every adapter within the batched LoRA kernel's limits).
+  // (buckets, Lcap, the adapter slots and rank). Copies adapters new to their slot.
   bool fits(std::int64_t B, std::int64_t max_len, const AdapterSet& adapters);
   // Runs the step (KV written for every row) and returns fp32 logits [B, vocab]: a view of the
   // bucket's static output, valid until the next run. Throws on a step that does not fit.
@@ -97,7 +104,8 @@ class DecodeGraphs {
  private:
   struct Bucket;
   Bucket& bucket(std::int64_t Bb);
-  void set_adapters(const AdapterSet& adapters);
+  bool adapters_fit(const AdapterSet& adapters) const;
+  bool set_adapters(const AdapterSet& adapters);
   void fill(Bucket& b, const DecodeStep& step, std::int64_t lmax);
   void forward_into(Bucket& b, std::int64_t lmax_eager, const DecodeStep* step);
 
@@ -105,9 +113,8 @@ class DecodeGraphs {
   KvPool& pool_;
   Options opts_;
   bool capture_ = false;
-  AdapterSet adapters_;          // the set the graphs were captured with
-  std::vector<int> part_of_slot_;  // slot -> LoRA part (-1: empty slot)
-  bool adapters_fit_ = true;     // every adapter of the set within the batched kernel's limits
+  std::vector<LoraAdapter> copies_;  // per slot: the fixed weights the graphs read
+  AdapterSet adapters_;              // what each slot's copy holds (null: empty), kept alive
   std::map<std::int64_t, std::unique_ptr<Bucket>> buckets_;
   std::shared_ptr<cuda::Graph> first_graph_;  // the pool every later capture shares
   at::Tensor logits_;  // fp32 [largest bucket, vocab]: every bucket's output rows

@@ -66,6 +66,8 @@ TEST(DecodeGraphs, EagerStepsOnTheStaticBuffersEqualThePlainForward) {
   o.buckets = {2, 4, 8};
   o.max_context = cap;
   o.scratch_slot = n * cap;
+  o.lora_slots = 3;
+  o.lora_rank = 6;  // the rank-4 adapters are copied zero-padded, their scaling folded in
   DecodeGraphs graphs(*model, pool, o);
   EXPECT_FALSE(graphs.capturing());
   std::vector<std::int64_t> lens;
@@ -103,6 +105,14 @@ TEST(DecodeGraphs, EagerStepsOnTheStaticBuffersEqualThePlainForward) {
     for (auto i : rows) ++lens[static_cast<std::size_t>(i)];
   }
   EXPECT_EQ(graphs.stats().eager, static_cast<std::int64_t>(step_rows.size()));
+  // An adapter of a larger rank than the copies, or in a slot past them, does not fit.
+  LoraConfig big;
+  big.rank = 8;
+  big.targets = LoraConfig::parse_targets({"q_proj"});
+  AdapterSet too_big = {std::make_shared<const LoraAdapter>(LoraAdapter::init(big, c, 3, at::kCPU))};
+  EXPECT_FALSE(graphs.fits(1, 4, too_big));
+  EXPECT_FALSE(graphs.fits(1, 4, {nullptr, nullptr, nullptr, ads[0]}));
+  EXPECT_TRUE(graphs.fits(1, 4, {nullptr, nullptr, nullptr, nullptr}));
   EXPECT_EQ(graphs.stats().replays, 0);
   // Every sequence's slots hold what the plain forward wrote; the padding rows wrote only the
   // scratch slot.

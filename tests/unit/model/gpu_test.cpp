@@ -371,7 +371,8 @@ TEST(Gpu, DecodeGraphReplaysEqualEagerStepsAndAreTimed) {
   if (!have_cuda_kernels()) GTEST_SKIP() << "decode graphs need our CUDA kernels (cuda preset)";
   // Two DecodeGraphs on identical pools, one capturing and replaying, one eager on the same static
   // buffers: steps of 5, 3, 1 and 8 rows on two adapters and the base model, the logits compared
-  // step by step (the graphs' first step of each bucket is its warm-up, later ones replays).
+  // step by step (the graphs' first step of each bucket is its warm-up, later ones replays); then
+  // a new adapter in a slot, which must need no capture.
   Qwen2Config c = Qwen2Config::preset("tiny");
   c.vocab_size = 2048;
   auto w = random_weights(c, 5, at::kFloat, 0.1);
@@ -398,6 +399,8 @@ TEST(Gpu, DecodeGraphReplaysEqualEagerStepsAndAreTimed) {
     o.buckets = {1, 4, 8};
     o.max_context = cap;
     o.scratch_slot = n * cap;
+    o.lora_slots = 2;
+    o.lora_rank = 8;
     DecodeGraphs graphs(*m, pg, o);
     o.capture = false;
     DecodeGraphs eager(*m, pe, o);
@@ -428,18 +431,31 @@ TEST(Gpu, DecodeGraphReplaysEqualEagerStepsAndAreTimed) {
     std::printf("gpu: decode graphs %s: %lld captures (%.1f ms in all), %lld replays, max |logit diff| vs eager %.3g\n",
                 c10::toString(dt), static_cast<long long>(graphs.stats().captures),
                 1e3 * graphs.stats().capture_seconds, static_cast<long long>(graphs.stats().replays), worst);
-    // A new adapter set drops the graphs: the next step captures again.
-    AdapterSet fewer = {ads[0], nullptr};
-    DecodeStep one;
-    one.tokens = {3};
-    one.positions = {lens[0]};
-    one.slot_mapping = {lens[0]};
-    one.lens = {lens[0] + 1};
-    for (std::int64_t p = 0; p <= lens[0]; ++p) one.context.push_back(p);
-    one.adapter_slot = {0};
-    auto before = graphs.stats().captures;
-    (void)graphs.run(one, fewer);
-    EXPECT_EQ(graphs.stats().captures, before + 1);
+    // A new adapter in slot 1 is copied into the slot's weights: the next steps replay the same
+    // graphs (no capture) and still equal the eager steps.
+    auto a3 = LoraAdapter::init(lc, c, 77, at::kCPU);
+    for (std::int64_t l = 0; l < c.num_hidden_layers; ++l)
+      for (auto mod : lc.targets) a3.B(l, mod).normal_(0, 0.2);
+    AdapterSet swapped = {ads[0], std::make_shared<const LoraAdapter>(a3.to(dev))};
+    const auto before = graphs.stats().captures;
+    for (std::int64_t rows : {5, 1}) {
+      DecodeStep ds;
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        ds.tokens.push_back((i * 7 + 3) % c.vocab_size);
+        ds.positions.push_back(lens[k]);
+        ds.slot_mapping.push_back(i * cap + lens[k]);
+        ds.lens.push_back(lens[k] + 1);
+        for (std::int64_t p = 0; p <= lens[k]; ++p) ds.context.push_back(i * cap + p);
+        ds.adapter_slot.push_back(static_cast<int>(i % 2));
+        ++lens[k];
+      }
+      auto want = eager.run(ds, swapped).clone();
+      auto got = graphs.run(ds, swapped).clone();
+      EXPECT_LE(max_abs_diff(got, want), dt == at::kFloat ? 1e-4 : 0.05 * want.abs().max().item<double>())
+          << "after the adapter change, " << rows << " rows";
+    }
+    EXPECT_EQ(graphs.stats().captures, before);
   }
 }
 
