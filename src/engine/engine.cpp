@@ -67,7 +67,7 @@ Engine::Engine(std::shared_ptr<const model::Qwen2Model> m, std::shared_ptr<const
     go.scratch_slot = n_blocks * opts_.block_size;
     // Each adapter slot gets a fixed copy the graphs read (a larger rank or more slots than the
     // batched LoRA kernel takes: those steps run eagerly).
-    go.lora_slots = std::min(opts_.max_loras, model::cuda::kLoraKernelMaxAdapters);
+    go.lora_slots = opts_.max_lora_rank > 0 ? std::min(opts_.max_loras, model::cuda::kLoraKernelMaxAdapters) : 0;
     go.lora_rank = go.lora_slots > 0 ? std::min<std::int64_t>(opts_.max_lora_rank, model::cuda::kLoraKernelMaxRank) : 0;
     std::erase_if(go.buckets, [&](std::int64_t b) { return b > opts_.max_num_seqs; });
     for (std::int64_t b = 384; b < opts_.max_num_seqs; b += 128) go.buckets.push_back(b);
