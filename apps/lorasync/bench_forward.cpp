@@ -77,9 +77,6 @@ double copy_gb_per_s(c10::Device device) {
   return 2.0 * static_cast<double>(bytes) / s / 1e9;
 }
 
-// The mixed-adapter timing against the base model's: `pairs` pairs (at least 5) of adjacent
-// timings, the order swapped every pair so a drift hurts both sides alike; returns the best of each
-// (the base's including `base_best`, timed before) and records the median of the pairs' ratios
 // The same decode steps replayed from CUDA graphs (model/decode_graphs.h) on a copy of the cache
 // (plus the padding rows' scratch slot), against the eager steps timed just before.
 void bench_decode_graphs(BenchReporter& rep, const model::Qwen2Model& m, model::ContiguousKvCache& cache, std::int64_t b,
@@ -121,6 +118,9 @@ void bench_decode_graphs(BenchReporter& rep, const model::Qwen2Model& m, model::
   rep.emit({"forward", "decode_tokens_per_s_graphs", tps, "tokens/s", eager_tps, cfg});
 }
 
+// The mixed-adapter timing against the base model's: `pairs` pairs (at least 5) of adjacent
+// timings, the order swapped every pair so a drift hurts both sides alike; returns the best of each
+// (the base's including `base_best`, timed before) and records the median of the pairs' ratios
 // (base time / mixed time) in cfg["pair_ratio_median"]: on the 2-core VM the base decode alone
 // moved by 25% from one timing to the next, and the median of adjacent pairs is the steadier figure.
 std::pair<double, double> alternate(const std::function<double(bool)>& time_one, double base_best, int pairs,

@@ -431,8 +431,8 @@ struct Engine::Impl {
   void step(const std::vector<Sched>& sched);
   at::Tensor forward_step(model::Batch& batch, model::AttnMeta& meta, const std::vector<std::int64_t>& toks,
                           const std::vector<std::int64_t>& pos, const std::vector<std::int64_t>& slot_map,
-                          const std::vector<int>& row_slot, const std::vector<std::vector<std::int64_t>>& ctx,
-                          bool all_decode, std::int64_t lmax);
+                          const std::vector<int>& row_slot, const std::vector<std::int64_t>& ctx,
+                          const std::vector<std::int64_t>& ctx_lens, bool all_decode, std::int64_t lmax);
   void append_token(Sequence* s, TokenOut t, double now);
 
   // ---- the loop --------------------------------------------------------------------------

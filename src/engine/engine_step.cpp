@@ -116,14 +116,15 @@ void Engine::Impl::step(const std::vector<Sched>& sched) {
     if (sc.n != 1) all_decode = false;
     lmax = std::max(lmax, s->n_computed + sc.n);
   }
-  // Context slots (every position of the sequence up to the new tokens).
-  std::vector<std::vector<std::int64_t>> ctx(sched.size());
+  // Context slots (every position of the sequence up to the new tokens), the sequences' runs
+  // concatenated: ctx_lens[i] slots each.
+  std::vector<std::int64_t> ctx, ctx_lens;
   for (std::size_t i = 0; i < sched.size(); ++i) {
     Sequence* s = sched[i].seq;
     const std::int64_t L = s->n_computed + sched[i].n;
-    ctx[i].reserve(static_cast<std::size_t>(L));
+    ctx_lens.push_back(L);
     for (std::int64_t p = 0; p < L; ++p)
-      ctx[i].push_back(static_cast<std::int64_t>(s->blocks[static_cast<std::size_t>(p / bs)]) * bs + p % bs);
+      ctx.push_back(static_cast<std::int64_t>(s->blocks[static_cast<std::size_t>(p / bs)]) * bs + p % bs);
   }
   auto lopt = at::TensorOptions().dtype(at::kLong);
   // All-decode steps that fit a decode graph bucket run there (model/decode_graphs.h).
@@ -141,15 +142,13 @@ void Engine::Impl::step(const std::vector<Sched>& sched) {
     ds.positions = std::move(pos);
     ds.slot_mapping = std::move(slot_map);
     ds.adapter_slot = std::move(row_slot);
-    for (auto& c : ctx) {
-      ds.lens.push_back(static_cast<std::int64_t>(c.size()));
-      ds.context.insert(ds.context.end(), c.begin(), c.end());
-    }
+    ds.lens = std::move(ctx_lens);
+    ds.context = std::move(ctx);
     step_logits = graphs->run(ds, graph_ads);
     ++st.decode_graph_steps;
     st.decode_graph_captures = graphs->stats().captures;
   } else {
-    hidden = forward_step(batch, meta, toks, pos, slot_map, row_slot, ctx, all_decode, lmax);
+    hidden = forward_step(batch, meta, toks, pos, slot_map, row_slot, ctx, ctx_lens, all_decode, lmax);
   }
   // The forward pass worked: the failure streak ends before any output of this step is
   // delivered (a client that got its answer must not then see /health still failing).
@@ -209,33 +208,38 @@ void Engine::Impl::step(const std::vector<Sched>& sched) {
 // decode table when every row is one token) and the LoRA rows, then the model.
 at::Tensor Engine::Impl::forward_step(model::Batch& batch, model::AttnMeta& meta, const std::vector<std::int64_t>& toks,
                                       const std::vector<std::int64_t>& pos, const std::vector<std::int64_t>& slot_map,
-                                      const std::vector<int>& row_slot, const std::vector<std::vector<std::int64_t>>& ctx,
-                                      bool all_decode, std::int64_t lmax) {
+                                      const std::vector<int>& row_slot, const std::vector<std::int64_t>& ctx,
+                                      const std::vector<std::int64_t>& ctx_lens, bool all_decode, std::int64_t lmax) {
   const c10::Device dev = model->device();
   auto lopt = at::TensorOptions().dtype(at::kLong);
-  const std::size_t n_seqs = ctx.size();
+  const std::size_t n_seqs = ctx_lens.size();
   batch.tokens = at::tensor(toks, lopt).to(dev);
   batch.positions = at::tensor(pos, lopt).to(dev);
   meta.slot_mapping = at::tensor(slot_map, lopt).to(dev);
   if (all_decode && (n_seqs > 1 || dev.is_cuda())) {
     // The padded decode table (on CUDA at batch 1 too: the paged decode kernel reads it).
     const auto B = static_cast<std::int64_t>(n_seqs);
-    std::vector<std::int64_t> flat(static_cast<std::size_t>(B * lmax), 0), lens;
+    std::vector<std::int64_t> flat(static_cast<std::size_t>(B * lmax), 0);
     std::vector<float> bias(static_cast<std::size_t>(B * lmax), -std::numeric_limits<float>::infinity());
+    const std::int64_t* c = ctx.data();
     for (std::int64_t b = 0; b < B; ++b) {
-      const auto& c = ctx[static_cast<std::size_t>(b)];
-      for (std::size_t p = 0; p < c.size(); ++p) {
-        flat[static_cast<std::size_t>(b * lmax) + p] = c[p];
-        bias[static_cast<std::size_t>(b * lmax) + p] = 0;
-      }
-      lens.push_back(static_cast<std::int64_t>(c.size()));
+      const std::int64_t L = ctx_lens[static_cast<std::size_t>(b)];
+      std::copy_n(c, L, flat.begin() + b * lmax);
+      std::fill_n(bias.begin() + b * lmax, L, 0.f);
+      c += L;
     }
     meta.decode_slots = at::tensor(flat, lopt).view({B, lmax}).to(dev);
     meta.decode_bias = at::tensor(bias, at::TensorOptions().dtype(at::kFloat)).view({B, lmax}).to(dev);
-    meta.decode_lens = at::tensor(lens, lopt).to(dev);
+    meta.decode_lens = at::tensor(ctx_lens, lopt).to(dev);
   } else {
-    for (std::size_t i = 0; i < n_seqs; ++i)
-      meta.context_slots.push_back(batch.segs[i].past > 0 ? at::tensor(ctx[i], lopt).to(dev) : at::Tensor());
+    const std::int64_t* c = ctx.data();
+    for (std::size_t i = 0; i < n_seqs; ++i) {
+      const std::int64_t L = ctx_lens[i];
+      meta.context_slots.push_back(batch.segs[i].past > 0
+                                       ? at::tensor(at::ArrayRef<std::int64_t>(c, static_cast<std::size_t>(L)), lopt).to(dev)
+                                       : at::Tensor());
+      c += L;
+    }
   }
   std::vector<const model::LoraAdapter*> ads;
   for (const auto& sl : slots) ads.push_back(sl.adapter ? sl.adapter->weights.get() : nullptr);

@@ -90,11 +90,6 @@ std::int64_t DecodeGraphs::bucket_for(std::int64_t B) const {
   return it == opts_.buckets.end() ? 0 : *it;
 }
 
-void DecodeGraphs::reset() {
-  buckets_.clear();
-  first_graph_.reset();
-}
-
 bool DecodeGraphs::adapters_fit(const AdapterSet& adapters) const {
   for (std::size_t s = 0; s < adapters.size(); ++s) {
     const auto& a = adapters[s];
@@ -284,21 +279,18 @@ at::Tensor DecodeGraphs::run(const DecodeStep& step, const AdapterSet& adapters)
       // The warm-up run inside capture_graph computes this step; the capture only records.
       b.graph = cuda::capture_graph([&] { forward_into(b, 0, nullptr); }, model_.device(), first_graph_.get());
       if (!first_graph_) first_graph_ = b.graph;
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ++stats_.captures;
-      stats_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      LS_LOG_INFO("model", "captured the decode graph of {} rows in {:.1f} ms", b.rows,
-                  1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      stats_.capture_seconds += secs;
+      LS_LOG_INFO("model", "captured the decode graph of {} rows in {:.1f} ms", b.rows, 1e3 * secs);
       return b.logits.narrow(0, 0, B);
     } catch (const std::exception& e) {
+      // The static buffers still hold this step: it runs eagerly below, as every later one.
       LS_LOG_WARN("model", "capturing the decode graph of {} rows failed ({}): decode steps run eagerly from now on",
                   b.rows, e.what());
       capture_ = false;
-      reset();
-      Bucket& e2 = bucket(bucket_for(B));
-      fill(e2, step, lmax);
-      forward_into(e2, lmax, &step);
-      ++stats_.eager;
-      return e2.logits.narrow(0, 0, B);
+      for (auto& kv : buckets_) kv.second->graph.reset();
+      first_graph_.reset();
     }
   }
   forward_into(b, lmax, &step);

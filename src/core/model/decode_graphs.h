@@ -98,8 +98,6 @@ class DecodeGraphs {
   // Whether steps are replayed from captured graphs (false: eager on the static buffers).
   bool capturing() const { return capture_; }
   Stats stats() const { return stats_; }
-  // Drops every graph and buffer (the next step of each bucket captures again).
-  void reset();
 
  private:
   struct Bucket;
