@@ -22,6 +22,7 @@
 #include <random>
 
 #include "commands.h"
+#include "core/model/cpu_kernels.h"
 #include "core/model/decode_graphs.h"
 #include "core/model/device_kernels.h"
 #include "core/model/lora.h"
@@ -137,17 +138,35 @@ std::pair<double, double> alternate(const std::function<double(bool)>& time_one,
   return {mixed_best, base_best};
 }
 
-// --paths, the reference first (it is the baseline of the fast path's figures).
+// --paths in the order reference, fast-avx2, fast: each is a baseline of the next.
+int path_rank(const std::string& path) { return path == "reference" ? 0 : path == "fast-avx2" ? 1 : 2; }
 std::vector<std::string> parse_paths(const std::string& list) {
   std::vector<std::string> paths;
   for (const auto& p : split(list, ',')) {
     const std::string path(trim(p));
-    if (path != "fast" && path != "reference") throw_invalid("--paths: unknown path '{}' (fast, reference)", path);
+    if (path != "fast" && path != "fast-avx2" && path != "reference")
+      throw_invalid("--paths: unknown path '{}' (fast, fast-avx2, reference)", path);
     paths.push_back(path);
   }
-  std::stable_sort(paths.begin(), paths.end(), [](const auto& x, const auto& y) { return x == "reference" && y != "reference"; });
+  std::stable_sort(paths.begin(), paths.end(), [](const auto& x, const auto& y) { return path_rank(x) < path_rank(y); });
   return paths;
 }
+
+// Our kernels on (fast, fast-avx2) or off (reference); fast-avx2 forbids the AVX-512 tiles.
+struct PathGuard {
+  explicit PathGuard(const std::string& path)
+      : fast_(model::set_cpu_fast_paths(path != "reference")),
+        avx512_(model::cpu::set_avx512_allowed(path != "fast-avx2")) {}
+  ~PathGuard() {
+    model::set_cpu_fast_paths(fast_);
+    model::cpu::set_avx512_allowed(avx512_);
+  }
+  PathGuard(const PathGuard&) = delete;
+  PathGuard& operator=(const PathGuard&) = delete;
+
+ private:
+  bool fast_, avx512_;
+};
 
 int run(const BenchForwardOptions& o) {
   model::set_compute_threads(o.threads);
@@ -202,13 +221,14 @@ int run(const BenchForwardOptions& o) {
     const double n_tok = static_cast<double>(o.prefill_batch * o.prompt_tokens);
     double flops = model::forward_flops(cfg, n_tok, static_cast<double>(o.prompt_tokens) / 2,
                                         static_cast<double>(o.prefill_batch));
-    std::optional<double> ref_prefill;
+    std::optional<double> ref_prefill, avx2_prefill;
     for (const auto& path : paths) {
-      const bool prev = model::set_cpu_fast_paths(path == "fast");
-      double s = seconds_of(
-          [&] { (void)m->logits(m->forward(batch, nullptr, &pcache.pool(), &pmeta).index_select(0, rows)); }, device,
-          o.repeats);
-      model::set_cpu_fast_paths(prev);
+      double s = 0;
+      {
+        PathGuard guard(path);
+        s = seconds_of([&] { (void)m->logits(m->forward(batch, nullptr, &pcache.pool(), &pmeta).index_select(0, rows)); },
+                       device, o.repeats);
+      }
       auto c = cfg_json;
       c["batch"] = o.prefill_batch;
       c["prompt_tokens"] = o.prompt_tokens;
@@ -218,7 +238,13 @@ int run(const BenchForwardOptions& o) {
         rep.emit({"forward", "prefill_tokens_per_s_reference", n_tok / s, "tokens/s", std::nullopt, c});
         continue;
       }
+      if (path == "fast-avx2") {
+        avx2_prefill = n_tok / s;
+        rep.emit({"forward", "prefill_tokens_per_s_avx2", n_tok / s, "tokens/s", ref_prefill, c});
+        continue;
+      }
       rep.emit({"forward", "prefill_tokens_per_s", n_tok / s, "tokens/s", ref_prefill, c});
+      if (avx2_prefill) rep.emit({"forward", "prefill_tokens_per_s_vs_avx2", n_tok / s, "tokens/s", avx2_prefill, c});
       rep.emit({"forward", "prefill_gflops", flops / s / 1e9, "GFLOP/s", peak, c});
       if (adapters.empty()) continue;
       // Prompt i on adapter i % N, alternating with the base model (best of each, as for decode).
@@ -303,13 +329,15 @@ int run(const BenchForwardOptions& o) {
       std::vector<engine::SampleRow> srows;
       for (auto& g : rngs) srows.push_back({&sp, &g, nullptr});
       auto sample_once = [&] { (void)engine::sample_batch(logits, srows); };
-      std::optional<double> eager_tps;
+      std::optional<double> eager_tps, avx2_tps;
       for (const auto& path : paths) {
-        const bool fast = path == "fast";
-        const bool prev = model::set_cpu_fast_paths(fast);
-        double ds = seconds_of(step_all, device, o.repeats);
-        double ss = device.is_cpu() ? seconds_of(sample_once, device, o.repeats) : 0.0;
-        model::set_cpu_fast_paths(prev);
+        const bool fast = path != "reference";
+        double ds = 0, ss = 0;
+        {
+          PathGuard guard(path);
+          ds = seconds_of(step_all, device, o.repeats);
+          ss = device.is_cpu() && path != "fast-avx2" ? seconds_of(sample_once, device, o.repeats) : 0.0;
+        }
         auto pc = dc;
         pc["path"] = path;
         const double tps = toks / ds;
@@ -319,7 +347,13 @@ int run(const BenchForwardOptions& o) {
           rep.emit({"forward", "decode_tokens_per_s_reference", tps, "tokens/s", std::nullopt, pc});
           continue;
         }
+        if (path == "fast-avx2") {
+          avx2_tps = tps;
+          rep.emit({"forward", "decode_tokens_per_s_avx2", tps, "tokens/s", ref_tps, pc});
+          continue;
+        }
         rep.emit({"forward", "decode_tokens_per_s", tps, "tokens/s", ref_tps, pc});
+        if (avx2_tps) rep.emit({"forward", "decode_tokens_per_s_vs_avx2", tps, "tokens/s", avx2_tps, pc});
         eager_tps = tps;
         rep.emit({"forward", "decode_gflops", dflops / ds / 1e9, "GFLOP/s", peak, pc});
         const double weight_bytes = static_cast<double>(cfg.n_params()) * static_cast<double>(at::elementSize(dtype));
@@ -371,7 +405,8 @@ void register_bench_forward(CLI::App& bench, Registry& reg) {
   sub->add_option("--repeats", o->repeats, "timed repetitions (best is kept)")->capture_default_str();
   sub->add_option("--adapters", o->adapters, "resident rank-8 adapters for the mixed decode (0: none)")
       ->capture_default_str();
-  sub->add_option("--paths", o->paths, "decode paths to time: fast (our CPU kernels), reference (libtorch)")
+  sub->add_option("--paths", o->paths,
+                  "paths to time: fast (our CPU kernels), fast-avx2 (ours without the AVX-512 tiles), reference (libtorch)")
       ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });
 }

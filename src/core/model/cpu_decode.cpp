@@ -31,12 +31,15 @@ bool fp32_cpu_contiguous(const at::Tensor& t) {
 }
 
 // Up to this many rows our kernels (cpu::linear) run the products; above, BLAS. Decode tok/s on
-// the small preset, 2 threads, MKL (the wheel's BLAS) vs ours: 512 vs 690 at 128 rows, 538 vs 662
-// at 256, 611 vs 629 at 512 (the LM head on BLAS in both at 512).
+// the small preset, 2 threads, MKL (the wheel's BLAS) vs ours with AVX2 tiles: 512 vs 690 at 128
+// rows, 538 vs 662 at 256, 611 vs 629 at 512 (the LM head on BLAS in both at 512). With AVX-512
+// tiles ours runs every step of the fast path (kernel_max_rows): MKL stays on AVX2 on AMD's CPUs.
 constexpr std::int64_t kKernelMaxRows = 512;
 // Steps of up to this many tokens (decode rows, prefill chunks, mixed steps) take the fast path
 // (its elementwise steps split large batches over the threads too); above, the libtorch path.
 constexpr std::int64_t kFastPathMaxTokens = 4096;
+
+std::int64_t kernel_max_rows() { return cpu::avx512_in_use() ? kFastPathMaxTokens : kKernelMaxRows; }
 
 // y [M, N] = x w^T (+ bias) through BLAS, into y.
 void blas_linear_into(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
@@ -59,7 +62,7 @@ struct Proj {
 // once) for a few rows, BLAS above.
 void linear_into(const at::Tensor& x, std::initializer_list<Proj> projs) {
   const auto M = x.size(0), K = x.size(1);
-  if (M > kKernelMaxRows) {
+  if (M > kernel_max_rows()) {
     for (const auto& p : projs) blas_linear_into(x, *p.w, p.bias ? p.bias->data_ptr<float>() : nullptr, *p.y);
     return;
   }

@@ -27,9 +27,21 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512() {
+#if LS_X86
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f");
+  return has;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> g_avx512_allowed{true};
+
 }  // namespace
 namespace detail {
 bool use_avx2() { return cpu_has_avx2() && !g_force_portable.load(std::memory_order_relaxed); }
+bool use_avx512() { return use_avx2() && cpu_has_avx512() && g_avx512_allowed.load(std::memory_order_relaxed); }
 }  // namespace detail
 namespace {
 
@@ -278,6 +290,8 @@ void parallel_for_cost(std::int64_t n, const std::function<std::int64_t(std::int
 }
 
 bool set_force_portable(bool on) { return g_force_portable.exchange(on); }
+bool set_avx512_allowed(bool on) { return g_avx512_allowed.exchange(on); }
+bool avx512_in_use() { return detail::use_avx512(); }
 
 bool linear_gemm_available() { return cpu_has_avx2(); }
 

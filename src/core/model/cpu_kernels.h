@@ -22,6 +22,12 @@ namespace lorasync::model::cpu {
 // portable kernels (tests compare both); returns the previous setting.
 bool set_force_portable(bool on);
 
+// Where the CPU has AVX-512F, the outer-product kernel (linear_gemm) uses 512-bit tiles; this
+// allows or forbids them (A/B runs of `bench forward`, tests of both); returns the previous setting.
+bool set_avx512_allowed(bool on);
+// Whether linear_gemm runs its AVX-512 tiles now.
+bool avx512_in_use();
+
 // f(begin, end) over contiguous pieces of [0, n) on libtorch's intra-op threads (its OpenMP
 // runtime): one piece per thread, run inline for n < 2 or inside another parallel region.
 void parallel_for(std::int64_t n, const std::function<void(std::int64_t, std::int64_t)>& f);

@@ -22,7 +22,8 @@
 namespace lorasync::model::cpu::detail {
 
 // Kernel choice and the small vector helpers both files use (defined in cpu_kernels.cpp).
-bool use_avx2();  // AVX2 + FMA present and the portable path not forced
+bool use_avx2();    // AVX2 + FMA present and the portable path not forced
+bool use_avx512();  // use_avx2() and AVX-512F present and allowed (set_avx512_allowed)
 float dot_portable(const float* a, const float* b, std::int64_t n);
 void axpy_portable(float a, const float* x, float* y, std::int64_t n);
 #if LS_X86

@@ -70,31 +70,45 @@ TEST(CpuKernels, PartsSharingOneInputWriteStridedOutputs) {
   });
 }
 
-// The outer-product kernel on its own, at row counts below and above its panel (16) and block
-// (64) sizes, weight-row tails of every tile size (6), K from 1, bias on and off, and strided
-// inputs and outputs shared by two parts. Without AVX2 it runs linear_rows; the test says so.
+// The outer-product kernel on its own, at row counts below and above its panel (16), two-panel
+// (32, the AVX-512 tile) and block (64) sizes, weight-row tails of every tile size (6 with AVX2,
+// 12 with AVX-512), K from 1, bias on and off, and strided inputs and outputs shared by two
+// parts. Where the CPU has AVX-512 both tiles run and give the same bits (each output is one
+// lane's sum over k in order in both). Without AVX2 it runs linear_rows; the test says so.
 TEST(CpuKernels, GemmKernelEqualsAtLinearAcrossPanelsTilesAndBlocks) {
   if (!cpu::linear_gemm_available()) std::cerr << "no AVX2+FMA: linear_gemm runs the row kernels\n";
+  const bool prev = cpu::set_avx512_allowed(true);
+  const bool has512 = cpu::avx512_in_use();
+  if (!has512) std::cerr << "no AVX-512F: only the AVX2 tiles run\n";
   at::manual_seed(3);
-  for (std::int64_t M : {1, 7, 16, 17, 40, 64, 65, 130})
+  for (std::int64_t M : {1, 7, 16, 17, 32, 40, 48, 64, 65, 130})
     for (std::int64_t K : {1, 7, 64, 129})
-      for (std::int64_t N : {1, 5, 6, 7, 13, 71})
+      for (std::int64_t N : {1, 5, 6, 7, 11, 12, 13, 25, 71})
         for (bool with_bias : {false, true}) {
           auto x = at::randn({M, K + 3}).narrow(1, 0, K);  // row stride K + 3
           auto w = at::randn({N, K});
           auto b = at::randn({N});
           auto w2 = at::randn({4, K});
-          auto y = at::full({M, N + 4 + 2}, std::nanf(""));  // both parts in one buffer, stride N + 6
-          cpu::LinearOut parts[] = {
-              {w.data_ptr<float>(), with_bias ? b.data_ptr<float>() : nullptr, N, y.data_ptr<float>(), N + 6},
-              {w2.data_ptr<float>(), nullptr, 4, y.data_ptr<float>() + N, N + 6}};
-          cpu::linear_gemm(x.data_ptr<float>(), M, K, K + 3, parts);
-          auto want = with_bias ? at::linear(x, w, b) : at::linear(x, w);
-          EXPECT_LE(max_rel_diff(y.narrow(1, 0, N), want), 1e-5) << "M=" << M << " K=" << K << " N=" << N;
-          EXPECT_LE(max_rel_diff(y.narrow(1, N, 4), at::linear(x, w2)), 1e-5) << "M=" << M << " K=" << K;
-          // The two columns past the parts are never written.
-          EXPECT_TRUE(y.narrow(1, N + 4, 2).isnan().all().item<bool>()) << "M=" << M << " K=" << K << " N=" << N;
+          at::Tensor first;
+          for (bool avx512 : {true, false}) {
+            if (avx512 && !has512) continue;
+            cpu::set_avx512_allowed(avx512);
+            auto y = at::full({M, N + 4 + 2}, std::nanf(""));  // both parts in one buffer, stride N + 6
+            cpu::LinearOut parts[] = {
+                {w.data_ptr<float>(), with_bias ? b.data_ptr<float>() : nullptr, N, y.data_ptr<float>(), N + 6},
+                {w2.data_ptr<float>(), nullptr, 4, y.data_ptr<float>() + N, N + 6}};
+            cpu::linear_gemm(x.data_ptr<float>(), M, K, K + 3, parts);
+            SCOPED_TRACE(avx512 ? "AVX-512 tiles" : "AVX2 tiles");
+            auto want = with_bias ? at::linear(x, w, b) : at::linear(x, w);
+            EXPECT_LE(max_rel_diff(y.narrow(1, 0, N), want), 1e-5) << "M=" << M << " K=" << K << " N=" << N;
+            EXPECT_LE(max_rel_diff(y.narrow(1, N, 4), at::linear(x, w2)), 1e-5) << "M=" << M << " K=" << K;
+            // The two columns past the parts are never written.
+            EXPECT_TRUE(y.narrow(1, N + 4, 2).isnan().all().item<bool>()) << "M=" << M << " K=" << K << " N=" << N;
+            if (!first.defined()) first = y;
+            else EXPECT_TRUE(at::equal(first.narrow(1, 0, N + 4), y.narrow(1, 0, N + 4))) << "M=" << M << " K=" << K << " N=" << N;
+          }
         }
+  cpu::set_avx512_allowed(prev);
 }
 
 // The LoRA deltas of three adapters on two outputs, each adapter on its own scattered rows (one
@@ -300,19 +314,32 @@ TEST(CpuKernels, CausalAttentionEqualsTheExplicitSoftmaxForEveryChunkAndContext)
         const std::int64_t S = past + L, qd = sh.nh * sh.hd, kvd = sh.nkv * sh.hd;
         // Rows wider than the heads (a strided view of a larger buffer), as a fused projection has.
         auto qbuf = at::randn({L, qd + 24}) * 2.0, kbuf = at::randn({S, kvd + 8}) * 2.0, vbuf = at::randn({S, kvd + 8});
-        auto out = at::full({L, qd + 40}, std::nanf(""));
-        cpu::causal_attention(qbuf.data_ptr<float>(), qd + 24, kbuf.data_ptr<float>(), vbuf.data_ptr<float>(), kvd + 8,
-                              L, past, sh.nh, sh.nkv, sh.hd, out.data_ptr<float>(), qd + 40);
         auto q = qbuf.narrow(1, 0, qd).contiguous().view({L, sh.nh, sh.hd});
         auto k = kbuf.narrow(1, 0, kvd).contiguous().view({S, sh.nkv, sh.hd});
         auto v = vbuf.narrow(1, 0, kvd).contiguous().view({S, sh.nkv, sh.hd});
         auto want = segment_attention_reference(q, k, v, past);
-        auto got = out.narrow(1, 0, qd);
-        ASSERT_LE(max_rel_diff(got, want), 2e-5)
-            << "nh " << sh.nh << ", nkv " << sh.nkv << ", hd " << sh.hd << ", L " << L << ", past " << past;
-        // Outside the rows' heads nothing was written.
-        EXPECT_TRUE(out.narrow(1, qd, 40).isnan().all().item<bool>());
-        ++ran;
+        // With the AVX-512 tiles (where the CPU has them) and without: the same bits.
+        at::Tensor first;
+        for (bool avx512 : {true, false}) {
+          const bool prev = cpu::set_avx512_allowed(avx512);
+          if (avx512 && !cpu::avx512_in_use()) {
+            cpu::set_avx512_allowed(prev);
+            continue;
+          }
+          auto out = at::full({L, qd + 40}, std::nanf(""));
+          cpu::causal_attention(qbuf.data_ptr<float>(), qd + 24, kbuf.data_ptr<float>(), vbuf.data_ptr<float>(),
+                                kvd + 8, L, past, sh.nh, sh.nkv, sh.hd, out.data_ptr<float>(), qd + 40);
+          cpu::set_avx512_allowed(prev);
+          auto got = out.narrow(1, 0, qd);
+          ASSERT_LE(max_rel_diff(got, want), 2e-5) << (avx512 ? "AVX-512 tiles" : "AVX2 tiles") << ": nh " << sh.nh
+                                                   << ", nkv " << sh.nkv << ", hd " << sh.hd << ", L " << L
+                                                   << ", past " << past;
+          // Outside the rows' heads nothing was written.
+          EXPECT_TRUE(out.narrow(1, qd, 40).isnan().all().item<bool>());
+          if (!first.defined()) first = got.clone();
+          else EXPECT_TRUE(at::equal(first, got)) << "nh " << sh.nh << ", hd " << sh.hd << ", L " << L << ", past " << past;
+          ++ran;
+        }
       }
     }
   }
