@@ -1,5 +1,6 @@
-// Our CPU decode kernels against the libtorch expressions of the same maths, on both the AVX2
-// and the portable implementation, and the model's fast decode path against its libtorch path.
+// Our CPU decode kernels against the libtorch expressions of the same maths, on the AVX-512, AVX2
+// and portable implementations (those the CPU has), and the model's fast decode path against its
+// libtorch path.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
@@ -26,14 +27,19 @@ double max_rel_diff(const at::Tensor& got, const at::Tensor& want) {
   return ((g - w).abs() / (w.abs() + 1.0)).max().item<double>();
 }
 
-// Runs `body` once with the AVX2 kernels (where the CPU has them) and once with the portable ones.
+// Runs `body` with the AVX-512 kernels (where the CPU has them), the AVX2 ones (where it has
+// them) and the portable ones.
 template <class F>
 void both_isas(F body) {
-  for (bool portable : {false, true}) {
-    const bool prev = cpu::set_force_portable(portable);
-    SCOPED_TRACE(portable ? "portable kernels" : "AVX2 kernels (if the CPU has them)");
-    body();
+  for (int isa : {0, 1, 2}) {
+    const bool prev = cpu::set_force_portable(isa == 2);
+    const bool prev512 = cpu::set_avx512_allowed(isa == 0);
+    if (isa != 0 || cpu::avx512_in_use()) {
+      SCOPED_TRACE(isa == 2 ? "portable kernels" : isa == 1 ? "AVX2 kernels (if the CPU has them)" : "AVX-512 kernels");
+      body();
+    }
     cpu::set_force_portable(prev);
+    cpu::set_avx512_allowed(prev512);
   }
 }
 
