@@ -22,7 +22,8 @@ double seconds_per_call(const std::function<void()>& f, c10::Device device, doub
 double gemm_gflops(std::int64_t m, std::int64_t n, std::int64_t k, c10::ScalarType dtype,
                    c10::Device device, double min_seconds = 0.3);
 
-// The machine's fp32 (or given dtype) GEMM peak: the best of square products 1024..4096.
+// The machine's fp32 (or given dtype) GEMM peak: the best of BLAS's square products 1024..4096
+// and, in fp32 on CPU, of our outer-product kernel (cpu::linear_gemm, 512 x 1024..2048 x same).
 double gemm_peak_gflops(c10::ScalarType dtype, c10::Device device, double min_seconds = 0.3);
 
 // Forward FLOPs of `tokens` new tokens attending to `context` positions on average (causal
