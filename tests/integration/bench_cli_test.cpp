@@ -44,5 +44,34 @@ TEST(BenchCli, ForwardReportsTheMixedAdapterDecodeAgainstTheBaseModel) {
   for (const auto& rec : parse_jsonl(none.out)) EXPECT_NE(rec["metric"], "decode_tokens_per_s_adapters");
 }
 
+// --paths fast-avx2,fast: our kernels without their AVX-512 tiles are timed first, and the fast
+// path's rows carry them as the baseline (whatever the CPU: without AVX-512 both run the same
+// kernels); an unknown path is refused by name.
+TEST(BenchCli, ForwardTimesTheAvx2KernelsAsTheBaselineOfTheFastPath) {
+  auto r = run_lorasync(
+      "bench forward --presets tiny --threads 2 --prompt-tokens 16 --prefill-batch 1 --decode-batches 2,13 "
+      "--context 8 --decode-steps 2 --repeats 1 --paths fast,fast-avx2 --adapters 0");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  int avx2 = 0, vs = 0;
+  for (const auto& rec : parse_jsonl(r.out)) {
+    const std::string m = rec["metric"];
+    if (m == "prefill_tokens_per_s_avx2" || m == "decode_tokens_per_s_avx2") {
+      ++avx2;
+      EXPECT_EQ(rec["config"]["path"], "fast-avx2");
+      EXPECT_GT(rec["value"].get<double>(), 0);
+    }
+    if (m == "prefill_tokens_per_s_vs_avx2" || m == "decode_tokens_per_s_vs_avx2") {
+      ++vs;
+      EXPECT_EQ(rec["config"]["path"], "fast");
+      EXPECT_GT(rec["baseline"].get<double>(), 0) << rec.dump();
+    }
+  }
+  EXPECT_EQ(avx2, 3);  // prefill + two decode batches
+  EXPECT_EQ(vs, 3);
+  auto bad = run_lorasync("bench forward --presets tiny --paths fast,avx1024");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("unknown path 'avx1024'"), std::string::npos) << bad.err;
+}
+
 }  // namespace
 }  // namespace lorasync
