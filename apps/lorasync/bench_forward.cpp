@@ -176,6 +176,7 @@ int run(const BenchForwardOptions& o) {
   const double peak = model::gemm_peak_gflops(dtype, device);
   nlohmann::json env = {{"dtype", model::dtype_name(dtype)}, {"device", device.str()},
                         {"threads", model::compute_threads()}};
+  if (device.is_cpu()) env["cpu_kernels"] = model::cpu::kernels_name();
   rep.emit({"forward", "gemm_peak_gflops", peak, "GFLOP/s", std::nullopt, env});
   const double copy_bw = copy_gb_per_s(device);
   rep.emit({"forward", "copy_gb_per_s", copy_bw, "GB/s", std::nullopt, env});

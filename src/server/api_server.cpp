@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "core/io/checkpoint_dir.h"
+#include "core/model/cpu_kernels.h"
 #include "core/model/qwen2_model.h"
 #include "core/model/runtime.h"
 #include "core/tokenizer/tokenizer.h"
@@ -643,8 +644,10 @@ ApiServer::~ApiServer() { stop(0); }
 
 void ApiServer::start() {
   impl_->http->start();
-  LS_LOG_INFO("server", "serving {} on http://{}:{} ({} {})", impl_->served_name, impl_->opt.host,
-              impl_->http->port(), model::dtype_name(impl_->model->dtype()), impl_->model->device().str());
+  const bool cpu = impl_->model->device().is_cpu();
+  LS_LOG_INFO("server", "serving {} on http://{}:{} ({} {}{}{})", impl_->served_name, impl_->opt.host,
+              impl_->http->port(), model::dtype_name(impl_->model->dtype()), impl_->model->device().str(),
+              cpu ? ", CPU kernels " : "", cpu ? model::cpu::kernels_name() : "");
 }
 
 std::uint16_t ApiServer::port() const { return impl_->http->port(); }

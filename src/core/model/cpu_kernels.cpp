@@ -322,6 +322,7 @@ void parallel_for_cost(std::int64_t n, const std::function<std::int64_t(std::int
 bool set_force_portable(bool on) { return g_force_portable.exchange(on); }
 bool set_avx512_allowed(bool on) { return g_avx512_allowed.exchange(on); }
 bool avx512_in_use() { return detail::use_avx512(); }
+const char* kernels_name() { return detail::use_avx512() ? "avx512" : detail::use_avx2() ? "avx2" : "portable"; }
 
 bool linear_gemm_available() { return cpu_has_avx2(); }
 

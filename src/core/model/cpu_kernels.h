@@ -27,6 +27,8 @@ bool set_force_portable(bool on);
 bool set_avx512_allowed(bool on);
 // Whether linear_gemm runs its AVX-512 tiles now.
 bool avx512_in_use();
+// The kernels that run now: "avx512", "avx2" or "portable" (logged by serve, reported by the benches).
+const char* kernels_name();
 
 // f(begin, end) over contiguous pieces of [0, n) on libtorch's intra-op threads (its OpenMP
 // runtime): one piece per thread, run inline for n < 2 or inside another parallel region.
