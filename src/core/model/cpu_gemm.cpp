@@ -33,6 +33,9 @@ constexpr int kTileN = 6;   // weight rows per register tile: 6 x 2 accumulators
 // Rows of x per pass over the weights: a block's panels (64 x K floats) stay in L2 while every
 // weight tile is read once from memory and then from L1/L2 for the block's other panels.
 constexpr std::int64_t kBlockRows = 64;
+// Rows of x packed and multiplied per pass over all the weights: bounds the packed copy (512 x K
+// floats: 18 MB at K = 8,960) when the fast path sends thousands of prefill rows here.
+constexpr std::int64_t kPassRows = 512;
 
 // Panel p of x: xp[k][16] = x[16 p + j][k] for rows 16 p + j < M, 0 beyond (the padding's products
 // are computed and never stored). Written in order, read from 16 rows at once (16 streams).
@@ -164,31 +167,36 @@ void linear_gemm(const float* x, std::int64_t M, std::int64_t K, std::int64_t ld
   const std::int64_t tile_n = avx512 ? kTileN512 : kTileN;
   const auto chunks =
       detail::weight_chunks(parts, std::max<std::int64_t>(tile_n, (16384 / K + tile_n - 1) / tile_n * tile_n));
-  // Every panel of x packed first (in parallel), into a buffer this thread reuses; then one region
-  // over (block of 64 rows, chunk of weight rows) tasks, block-major: at decode sizes (one block)
-  // the threads split the weights, at prefill sizes mostly the blocks.
+  // Passes of up to 512 rows: every panel of the pass's rows packed first (in parallel), into a
+  // buffer this thread reuses (at most 512 x K floats, whatever M); then one region over (block of
+  // 64 rows, chunk of weight rows) tasks, block-major: at decode sizes (one block) the threads
+  // split the weights, at prefill sizes mostly the blocks.
   thread_local std::vector<float> xp;
-  const std::int64_t panels = (M + kPanel - 1) / kPanel;
-  xp.resize(static_cast<std::size_t>(panels * K * kPanel));
-  float* packed = xp.data();
-  parallel_for(panels, [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t p = b; p < e; ++p) pack_panel(x, ldx, M, K, p, packed + p * K * kPanel);
-  });
   const auto n_chunks = static_cast<std::int64_t>(chunks.size());
-  const std::int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
-  // Cut by work (rows of x times weight rows): the chunks differ in size where a part is small.
-  auto work = [&](std::int64_t t) {
-    const detail::Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];
-    return std::min(kBlockRows, M - (t / n_chunks) * kBlockRows) * (ch.n1 - ch.n0);
-  };
-  parallel_for_cost(blocks * n_chunks, work, [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t t = b; t < e; ++t) {
-      const std::int64_t m0 = (t / n_chunks) * kBlockRows;
+  for (std::int64_t base = 0; base < M; base += kPassRows) {
+    const std::int64_t rows = std::min(kPassRows, M - base);
+    const float* xb = x + base * ldx;
+    const std::int64_t panels = (rows + kPanel - 1) / kPanel;
+    xp.resize(static_cast<std::size_t>(panels * K * kPanel));
+    float* packed = xp.data();
+    parallel_for(panels, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t p = b; p < e; ++p) pack_panel(xb, ldx, rows, K, p, packed + p * K * kPanel);
+    });
+    const std::int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+    // Cut by work (rows of x times weight rows): the chunks differ in size where a part is small.
+    auto work = [&](std::int64_t t) {
       const detail::Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];
-      rows_block(packed + (m0 / kPanel) * K * kPanel, std::min(kBlockRows, M - m0), m0, K, parts[ch.part], ch.n0,
-                 ch.n1, avx512);
-    }
-  });
+      return std::min(kBlockRows, rows - (t / n_chunks) * kBlockRows) * (ch.n1 - ch.n0);
+    };
+    parallel_for_cost(blocks * n_chunks, work, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t t = b; t < e; ++t) {
+        const std::int64_t m0 = (t / n_chunks) * kBlockRows;  // within the pass
+        const detail::Chunk& ch = chunks[static_cast<std::size_t>(t % n_chunks)];
+        rows_block(packed + (m0 / kPanel) * K * kPanel, std::min(kBlockRows, rows - m0), base + m0, K,
+                   parts[ch.part], ch.n0, ch.n1, avx512);
+      }
+    });
+  }
 #else
   linear_rows(x, M, K, ldx, parts);
 #endif

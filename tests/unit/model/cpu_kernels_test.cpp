@@ -77,7 +77,7 @@ TEST(CpuKernels, PartsSharingOneInputWriteStridedOutputs) {
 }
 
 // The outer-product kernel on its own, at row counts below and above its panel (16), two-panel
-// (32, the AVX-512 tile) and block (64) sizes, weight-row tails of every tile size (6 with AVX2,
+// (32, the AVX-512 tile), block (64) and pass (512) sizes, weight-row tails of every tile size (6 with AVX2,
 // 12 with AVX-512), K from 1, bias on and off, and strided inputs and outputs shared by two
 // parts. Where the CPU has AVX-512 both tiles run and give the same bits (each output is one
 // lane's sum over k in order in both). Without AVX2 it runs linear_rows; the test says so.
@@ -87,7 +87,7 @@ TEST(CpuKernels, GemmKernelEqualsAtLinearAcrossPanelsTilesAndBlocks) {
   const bool has512 = cpu::avx512_in_use();
   if (!has512) std::cerr << "no AVX-512F: only the AVX2 tiles run\n";
   at::manual_seed(3);
-  for (std::int64_t M : {1, 7, 16, 17, 32, 40, 48, 64, 65, 130})
+  for (std::int64_t M : {1, 7, 16, 17, 32, 40, 48, 64, 65, 130, 1100})  // 1100: three passes of 512 rows
     for (std::int64_t K : {1, 7, 64, 129})
       for (std::int64_t N : {1, 5, 6, 7, 11, 12, 13, 25, 71})
         for (bool with_bias : {false, true}) {
