@@ -9,7 +9,7 @@
 // per panel and used in 16 multiply-adds, so the kernel is bound by the FMA units, not by memory;
 // the packing costs M x K copies, noise beside the M x K x N multiply-adds.
 //
-// Where the CPU has AVX-512 (checked at run time, cpu::set_isa_limit can forbid it) the tile is
+// Where the CPU has AVX-512 (checked at run time, cpu::set_avx512_allowed can forbid it) the tile is
 // 12 weight rows x two panels (32 rows of x, one 512-bit vector per panel): 24 accumulators, each
 // broadcast weight used in two multiply-adds. Zen 5 and recent Intel cores execute two 512-bit
 // FMAs per cycle, twice the AVX2 rate (measured here: 244 against 122 GFLOP/s per core). Each
@@ -107,6 +107,10 @@ __attribute__((target("avx512f"))) void tile_avx512(const float* xp, const float
 // 0..15) into y: the 16 x 16 block (rows past R as zeros) transposed in registers, then rows
 // j < r of x get their R outputs plus bias by one masked store each (the scalar loop of 12 x 16
 // loads, adds and stores was 4-6 % of a batch-64 decode step).
+// g++ 12's unpack intrinsics pass _mm512_undefined_ps() as their unused merge source, which
+// -Wmaybe-uninitialized reports once inlined here: a false positive of the header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 __attribute__((target("avx512f"))) void store_transposed512(const float* o, int R, const float* bias, std::int64_t r,
                                                             float* y, std::int64_t ldy) {
   __m512 a[16];
@@ -138,6 +142,7 @@ __attribute__((target("avx512f"))) void store_transposed512(const float* o, int 
     }
   }
 }
+#pragma GCC diagnostic pop
 
 using TileFn = void (*)(const float*, const float*, std::int64_t, float*);
 constexpr TileFn kTiles[kTileN + 1] = {nullptr,         tile_avx2<1>, tile_avx2<2>, tile_avx2<3>,
@@ -156,14 +161,6 @@ void rows_block(const float* xp, std::int64_t rows, std::int64_t m0, std::int64_
   alignas(64) float out[2 * kTileN512 * kPanel];
   const std::int64_t panels = (rows + kPanel - 1) / kPanel;
   const int tile_n = avx512 ? kTileN512 : kTileN;
-  // Rows of x j of panel pi from the tile's output at `o` (row i of the tile at o + i * kPanel).
-  auto store = [&](std::int64_t n, int R, const float* bias, std::int64_t pi, const float* o) {
-    const std::int64_t r = std::min<std::int64_t>(kPanel, rows - pi * kPanel);
-    for (std::int64_t j = 0; j < r; ++j) {
-      float* y = p.y + (m0 + pi * kPanel + j) * p.ldy + n;
-      for (int i = 0; i < R; ++i) y[i] = o[i * kPanel + j] + bias[i];
-    }
-  };
   for (std::int64_t n = n0; n < n1; n += tile_n) {
     const int R = static_cast<int>(std::min<std::int64_t>(tile_n, n1 - n));
     float bias[16] = {};  // 16: the AVX-512 store loads it as one vector (lanes past R masked)
@@ -188,7 +185,11 @@ void rows_block(const float* xp, std::int64_t rows, std::int64_t m0, std::int64_
     }
     for (std::int64_t pi = 0; pi < panels; ++pi) {
       kTiles[R](xp + pi * K * kPanel, p.w + n * K, K, out);
-      store(n, R, bias, pi, out);
+      const std::int64_t r = std::min<std::int64_t>(kPanel, rows - pi * kPanel);
+      for (std::int64_t j = 0; j < r; ++j) {
+        float* y = p.y + (m0 + pi * kPanel + j) * p.ldy + n;
+        for (int i = 0; i < R; ++i) y[i] = out[i * kPanel + j] + bias[i];
+      }
     }
   }
 }

@@ -407,7 +407,7 @@ void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<co
   // rows' products). 5 adapters of rank 8 on a 1,024-token prefill: the in-place B products were
   // most of the adapters' cost.
   constexpr std::int64_t kTransposeRows = 8;
-  const bool avx = use_avx2();
+  const bool avx = use_avx2(), avx512 = use_avx512();
   // t = (A x) * scale, per delta n_rows x r, one buffer.
   std::vector<std::int64_t> t_off(deltas.size() + 1, 0);
   std::vector<Chunk> a_tasks, b_tasks;  // Chunk::part = delta, [n0, n1) = rows or outputs
@@ -462,7 +462,7 @@ void lora_deltas(const float* x, std::int64_t ldx, std::int64_t in, std::span<co
         std::copy_n(x + row * ldx, in, xs.data() + i * in);
       }
       float* tt = t + t_off[task.part] + task.n0 * dl.r;
-      rows_range(xs.data(), n, in, in, LinearOut{dl.A, nullptr, dl.r, tt, dl.r}, 0, dl.r, avx, use_avx512());
+      rows_range(xs.data(), n, in, in, LinearOut{dl.A, nullptr, dl.r, tt, dl.r}, 0, dl.r, avx, avx512);
       for (std::int64_t i = 0; i < n * dl.r; ++i) tt[i] *= dl.scale;
     }
   });
