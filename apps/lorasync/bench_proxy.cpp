@@ -5,7 +5,8 @@
 // requests after each worker's first, with the p99 of all of them reported too), proxy CPU
 // seconds per 1k requests (the scheduler's nanosecond counters of every proxy thread), proxy peak
 // RSS, bytes per tracked block at 500k entries, routing counters and the stubs' ground-truth prefix
-// reuse.
+// reuse. With --reference, the same load through the HF Python proxy in the same run: CPU (also
+// split into user and system time), latency, throughput, unmatched share and prefix reuse against it.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -190,6 +191,23 @@ double proc_cpu_s(pid_t pid) {
   return (std::stod(v[11]) + std::stod(v[12])) / ticks;  // utime, stime
 }
 
+// The process's user and system CPU as the kernel reports them in /proc/PID/stat (utime, stime:
+// clock ticks, every thread, live and ended). The kernel splits its precise run time between the
+// two by the ratio of the timer ticks that found the process in each mode, so over a round the
+// ratio is an estimate (a few hundred ticks at this load), used only to split proc_cpu_s's total.
+std::pair<double, double> proc_user_sys_ticks(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(f)), {});
+  const auto rp = s.rfind(')');
+  if (rp == std::string::npos || rp + 2 > s.size()) return {0, 0};
+  std::istringstream is(s.substr(rp + 2));
+  std::string tok;
+  std::vector<std::string> v;
+  while (is >> tok) v.push_back(tok);
+  if (v.size() < 13) return {0, 0};
+  return {std::stod(v[11]), std::stod(v[12])};
+}
+
 double proc_hwm_mb(pid_t pid) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/status");
   std::string line;
@@ -277,6 +295,11 @@ nlohmann::json get_json(const std::string& base_url, const std::string& target) 
 struct Round {
   RunResult run;
   double cpu_ms = 0, rss = 0;
+  // cpu_ms split by the kernel's user/system tick ratio over the round (proc_user_sys_ticks):
+  // the system part is mostly loopback TCP (each send runs the receiver's TCP input and wake-up),
+  // which any proxy of one connection per request pays the same.
+  double cpu_user_ms = 0, cpu_sys_ms = 0;
+  double reuse = 0;  // the stubs' prefill reuse over the round: the routing's ground truth
   nlohmann::json router;  // /proxy/stats "router": both proxies count routed, affinity, spilled, unmatched
   double share(const char* outcome) const {
     const double routed = router.is_object() ? router.value("routed", 0.0) : 0.0;
@@ -288,8 +311,14 @@ Round measure_round(const Child& ch, const std::vector<bench::TraceRequest>& tra
   const std::string url = "http://127.0.0.1:" + std::to_string(ch.port);
   Round r;
   const double cpu0 = proc_cpu_s(ch.pid);
+  const auto [u0, s0] = proc_user_sys_ticks(ch.pid);
   r.run = drive({url}, trace, conc, client_threads);
   r.cpu_ms = (proc_cpu_s(ch.pid) - cpu0) * 1000.0 / static_cast<double>(trace.size());
+  const auto [u1, s1] = proc_user_sys_ticks(ch.pid);
+  const double du = u1 - u0, ds = s1 - s0;
+  const double sys_share = du + ds > 0 ? ds / (du + ds) : 0;
+  r.cpu_sys_ms = r.cpu_ms * sys_share;
+  r.cpu_user_ms = r.cpu_ms - r.cpu_sys_ms;
   r.rss = proc_hwm_mb(ch.pid);
   const nlohmann::json stats = get_json(url, "/proxy/stats");
   if (stats.is_object() && stats.contains("router")) r.router = stats["router"];
@@ -325,26 +354,25 @@ int run(const BenchProxyOptions& o) {
     // moves single figures by tens of per cent; the medians and the per-round pairs are reported).
     struct Ours {
       Round round;
-      double reuse = 0;  // the stubs' prefill reuse
     };
     std::vector<Ours> ours;
     std::vector<Round> refs;
-    for (int round = 0; round < std::max(1, o.rounds); ++round) {
-      // Reset the stubs' caches so prefill reuse reflects the proxy's routing only.
+    // One round of a proxy from cold stub caches (reset, so the stubs' prefill reuse reflects that
+    // proxy's routing only).
+    auto cold_round = [&](const Child& ch) {
       get_json(s0.url(), "/reset_prefix_cache");
       get_json(s1.url(), "/reset_prefix_cache");
       const std::uint64_t p0 = s0.prompt_tokens() + s1.prompt_tokens(), c0 = s0.cached_tokens() + s1.cached_tokens();
-      Ours u;
-      u.round = measure_round(spawn_proxy({s0.url(), s1.url()}, o.proxy_threads), trace, conc, o.client_threads);
+      Round r = measure_round(ch, trace, conc, o.client_threads);
       const std::uint64_t pt = s0.prompt_tokens() + s1.prompt_tokens() - p0,
                           ct = s0.cached_tokens() + s1.cached_tokens() - c0;
-      u.reuse = pt ? static_cast<double>(ct) / static_cast<double>(pt) : 0;
-      ours.push_back(std::move(u));
-      if (o.reference.empty()) continue;
-      // The reference proxy, same stubs, same trace, caches reset again.
-      get_json(s0.url(), "/reset_prefix_cache");
-      get_json(s1.url(), "/reset_prefix_cache");
-      refs.push_back(measure_round(spawn_reference(o, {s0.url(), s1.url()}), trace, conc, o.client_threads));
+      r.reuse = pt ? static_cast<double>(ct) / static_cast<double>(pt) : 0;
+      return r;
+    };
+    for (int round = 0; round < std::max(1, o.rounds); ++round) {
+      ours.push_back(Ours{cold_round(spawn_proxy({s0.url(), s1.url()}, o.proxy_threads))});
+      // The reference proxy, same stubs, same trace.
+      if (!o.reference.empty()) refs.push_back(cold_round(spawn_reference(o, {s0.url(), s1.url()})));
     }
     const int R = static_cast<int>(ours.size());
     auto med = [](auto& v, auto f) {
@@ -381,6 +409,16 @@ int run(const BenchProxyOptions& o) {
       c1["ours_per_round"] = list(ours, [](const Ours& u) { return u.round.cpu_ms; });
       c1["reference_per_round"] = list(refs, [](const Round& r) { return r.cpu_ms; });
       rep.emit({"proxy", "cpu_ms_per_request_vs_reference", cpu_ms, "ms", med(refs, [](const Round& r) { return r.cpu_ms; }), c1});
+      // The same CPU split into user and system time (an estimate from the kernel's tick ratio).
+      for (const bool user : {true, false}) {
+        auto part = [user](const Round& r) { return user ? r.cpu_user_ms : r.cpu_sys_ms; };
+        nlohmann::json cu = rc;
+        cu["ours_per_round"] = list(ours, [&](const Ours& u) { return part(u.round); });
+        cu["reference_per_round"] = list(refs, part);
+        cu["split"] = "proc_cpu_s by the utime/stime tick ratio of /proc/PID/stat over the round";
+        rep.emit({"proxy", user ? "cpu_user_ms_per_request_vs_reference" : "cpu_sys_ms_per_request_vs_reference",
+                  med(ours, [&](const Ours& u) { return part(u.round); }), "ms", med(refs, part), cu});
+      }
       rep.emit({"proxy", "added_latency_p99_ms_vs_reference", med(ours, [](const Ours& u) { return u.round.run.p99_ms; }), "ms",
                 med(refs, [](const Round& r) { return r.run.p99_ms; }), rc});
       rep.emit({"proxy", "requests_per_s_vs_reference", med(ours, [](const Ours& u) { return u.round.run.req_per_s; }), "req/s",
@@ -402,6 +440,16 @@ int run(const BenchProxyOptions& o) {
       c3["per_round"] = diff;
       c3["sd"] = std::sqrt(v);
       rep.emit({"proxy", "unmatched_pts_over_reference", m, "pt", std::nullopt, c3});
+      // What the routing is for: the share of prompt tokens the stubs found in their prefix cache,
+      // ours against the reference's (the mean over rounds, and the per-round difference).
+      nlohmann::json c4 = rc;
+      c4["ours_per_round"] = list(ours, [](const Ours& u) { return u.round.reuse; });
+      c4["reference_per_round"] = list(refs, [](const Round& r) { return r.reuse; });
+      std::vector<double> rdiff;
+      for (int i = 0; i < R; ++i) rdiff.push_back((ours[i].round.reuse - refs[i].reuse) * 100.0);
+      c4["pts_over_reference_per_round"] = rdiff;
+      rep.emit({"proxy", "stub_prefill_reuse_vs_reference", mean(ours, [](const Ours& u) { return u.round.reuse; }),
+                "fraction", mean(refs, [](const Round& r) { return r.reuse; }), c4});
     }
     rep.emit({"proxy", "requests_per_s", med(ours, [](const Ours& u) { return u.round.run.req_per_s; }), "req/s", base.req_per_s, cfg});
     rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Ours& u) { return u.round.run.p50_ms; }), "ms", base.p50_ms, cfg});
@@ -429,7 +477,7 @@ int run(const BenchProxyOptions& o) {
       rep.emit({"proxy", "affinity_fraction", mean(ours, [](const Ours& u) { return u.round.share("affinity"); }), "fraction",
                 std::nullopt, c2});
     }
-    rep.emit({"proxy", "stub_prefill_reuse", mean(ours, [](const Ours& u) { return u.reuse; }), "fraction", std::nullopt, cfg});
+    rep.emit({"proxy", "stub_prefill_reuse", mean(ours, [](const Ours& u) { return u.round.reuse; }), "fraction", std::nullopt, cfg});
     s0.stop();
     s1.stop();
   }

@@ -763,44 +763,4 @@ ParseResult parse_answer(std::string_view clean, int max_depth, int max_nodes) {
   return r;
 }
 
-std::string to_debug_string(const Expr& e, int node) {
-  const Node& n = e.at(node);
-  auto kids = [&](std::string head) {
-    std::string s = "(" + head;
-    for (int c : n.children) s += " " + to_debug_string(e, c);
-    return s + ")";
-  };
-  switch (n.kind) {
-    case NodeKind::kNumber:
-    case NodeKind::kSymbol:
-    case NodeKind::kBaseLit:
-      return n.text;
-    case NodeKind::kConst:
-      return "#" + n.text;
-    case NodeKind::kAdd: return kids("+");
-    case NodeKind::kMul: return kids("*");
-    case NodeKind::kDiv: return kids("/");
-    case NodeKind::kPow: return kids("^");
-    case NodeKind::kNeg: return kids("-");
-    case NodeKind::kFunc: return kids(n.text);
-    case NodeKind::kFactorial: return kids("!");
-    case NodeKind::kTuple: return kids(std::string("tuple") + n.open + n.close);
-    case NodeKind::kSet: return kids("set");
-    case NodeKind::kMatrix: return kids("matrix" + std::to_string(n.rows) + "x" + std::to_string(n.cols));
-    case NodeKind::kRelation: {
-      std::string s = "(rel";
-      for (std::size_t k = 0; k < n.children.size(); ++k) {
-        if (k > 0) s += " " + n.ops[k - 1];
-        s += " " + to_debug_string(e, n.children[k]);
-      }
-      return s + ")";
-    }
-    case NodeKind::kList: return kids("list");
-    case NodeKind::kUnion: return kids("union");
-    case NodeKind::kEmptySet: return "emptyset";
-    case NodeKind::kPlusMinus: return kids("pm");
-  }
-  return "?";
-}
-
 }  // namespace lorasync::reward

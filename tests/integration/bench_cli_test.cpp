@@ -1,12 +1,14 @@
-// Black-box smoke tests of `lorasync bench forward` through the real binary: the rows it reports
-// and their same-run baselines (the figures themselves are not checked: performance lives in the
-// bench, never in a timed test).
+// Black-box smoke tests of `lorasync bench forward` and `bench proxy` through the real binary: the
+// rows they report and their same-run baselines (the speeds themselves are not checked: performance
+// lives in the bench, never in a timed test).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <string>
 
+#include "util/files.h"
 #include "util/jsonl.h"
 #include "util/run_command.h"
 
@@ -71,6 +73,93 @@ TEST(BenchCli, ForwardTimesTheAvx2KernelsAsTheBaselineOfTheFastPath) {
   auto bad = run_lorasync("bench forward --presets tiny --paths fast,avx1024");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("unknown path 'avx1024'"), std::string::npos) << bad.err;
+}
+
+// A stand-in for the HF Python proxy that `bench proxy --reference` runs (the real one is never
+// committed): the same environment (UPSTREAM_URLS, PROXY_PORT) and /proxy/stats counters, but it
+// sends requests round robin, with no prefix affinity at all.
+constexpr const char* kRoundRobinProxy = R"PY(
+import itertools, os
+from aiohttp import ClientSession, web
+
+ups = [u for u in os.environ["UPSTREAM_URLS"].split(",") if u]
+turn = itertools.count()
+stats = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
+
+async def handle(request):
+    if request.path == "/proxy/stats":
+        return web.json_response({"router": stats})
+    body = await request.read()
+    if request.path == "/v1/completions":
+        stats["routed"] += 1
+        stats["unmatched"] += 1
+    url = ups[next(turn) % len(ups)] + request.path_qs
+    async with request.app["session"].request(request.method, url, data=body or None,
+                                               headers={"Content-Type": "application/json"}) as r:
+        return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+async def session(app):
+    app["session"] = ClientSession()
+    yield
+    await app["session"].close()
+
+app = web.Application()
+app.router.add_route("*", "/{tail:.*}", handle)
+app.cleanup_ctx.append(session)
+web.run_app(app, host="127.0.0.1", port=int(os.environ["PROXY_PORT"]), print=None)
+)PY";
+
+// --reference: the rows against the reference, among them the CPU split into user and system time
+// and the stubs' prefill reuse. At 4 concurrent (never more than the imbalance bound of 8 in
+// flight) our proxy keeps every prompt's rollouts on one replica, so the stubs find more of the
+// prompt tokens cached than behind a round robin, which prefills most prompts on both.
+TEST(BenchCli, ProxyAgainstAReferenceSplitsItsCpuAndComparesTheStubsPrefillReuse) {
+  TempDir tmp("bench-proxy-ref");
+  const auto script = tmp.path() / "round_robin_proxy.py";
+  { std::ofstream(script) << kRoundRobinProxy; }
+  auto r = run_lorasync("bench proxy --concurrency 4 --prompts 12 --rounds 2 --reference " +
+                        testing::shell_quote(script.string()) + " --python " + testing::shell_quote(LORASYNC_PYTHON));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  int reuse = 0;
+  nlohmann::json total, user, sys;  // the CPU rows' configs
+  for (const auto& rec : parse_jsonl(r.out)) {
+    const std::string m = rec["metric"];
+    const auto& c = rec["config"];
+    if (m == "cpu_ms_per_request_vs_reference") total = c;
+    if (m == "cpu_user_ms_per_request_vs_reference") user = c;
+    if (m == "cpu_sys_ms_per_request_vs_reference") sys = c;
+    if (m == "stub_prefill_reuse_vs_reference") {
+      ++reuse;
+      EXPECT_EQ(c["errors"], 0);
+      const auto& ours = c["ours_per_round"];
+      const auto& ref = c["reference_per_round"];
+      ASSERT_EQ(ours.size(), 2u);
+      ASSERT_EQ(ref.size(), 2u);
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_GT(ours[i].get<double>(), ref[i].get<double>()) << rec.dump();
+        EXPECT_LE(ours[i].get<double>(), 1.0);
+        EXPECT_GE(ref[i].get<double>(), 0.0);
+        EXPECT_NEAR(c["pts_over_reference_per_round"][i].get<double>(),
+                    (ours[i].get<double>() - ref[i].get<double>()) * 100, 1e-9);
+      }
+    }
+  }
+  EXPECT_EQ(reuse, 1);
+  // Per round and per proxy, user + system = the total (the tick ratio only splits it).
+  ASSERT_FALSE(total.is_null());
+  ASSERT_FALSE(user.is_null());
+  ASSERT_FALSE(sys.is_null());
+  for (const char* who : {"ours_per_round", "reference_per_round"}) {
+    ASSERT_EQ(total[who].size(), 2u) << total.dump();
+    ASSERT_EQ(user[who].size(), 2u) << user.dump();
+    ASSERT_EQ(sys[who].size(), 2u) << sys.dump();
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_GT(total[who][i].get<double>(), 0) << who;
+      EXPECT_GE(user[who][i].get<double>(), 0) << who;
+      EXPECT_GE(sys[who][i].get<double>(), 0) << who;
+      EXPECT_NEAR(user[who][i].get<double>() + sys[who][i].get<double>(), total[who][i].get<double>(), 1e-9) << who;
+    }
+  }
 }
 
 }  // namespace
