@@ -163,6 +163,24 @@ Child spawn_reference(const BenchProxyOptions& o, const std::vector<std::string>
   return ch;
 }
 
+// The process's user and system CPU as the kernel reports them in /proc/PID/stat (utime, stime:
+// clock ticks, every thread, live and ended). The kernel splits its precise run time between the
+// two by the ratio of the timer ticks that found the process in each mode, so over a round the
+// ratio is an estimate (a few hundred ticks at this load), used to split proc_cpu_s's total (and
+// as proc_cpu_s's fallback). {0, 0} when the file cannot be read.
+std::pair<double, double> proc_user_sys_ticks(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(f)), {});
+  const auto rp = s.rfind(')');
+  if (rp == std::string::npos || rp + 2 > s.size()) return {0, 0};
+  std::istringstream is(s.substr(rp + 2));
+  std::string tok;
+  std::vector<std::string> v;
+  while (is >> tok) v.push_back(tok);
+  if (v.size() < 13) return {0, 0};
+  return {std::stod(v[11]), std::stod(v[12])};
+}
+
 // CPU seconds of every thread of `pid`, from the scheduler's nanosecond counters
 // (/proc/PID/task/*/schedstat: time on the CPU first). /proc/PID/stat counts 10 ms ticks, which at
 // a few hundredths of a millisecond per request is too coarse; it is the fallback.
@@ -180,32 +198,8 @@ double proc_cpu_s(pid_t pid) {
     }
   }
   if (any) return total;
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string s((std::istreambuf_iterator<char>(f)), {});
-  auto rp = s.rfind(')');
-  std::istringstream is(s.substr(rp + 2));
-  std::string tok;
-  std::vector<std::string> v;
-  while (is >> tok) v.push_back(tok);
-  double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
-  return (std::stod(v[11]) + std::stod(v[12])) / ticks;  // utime, stime
-}
-
-// The process's user and system CPU as the kernel reports them in /proc/PID/stat (utime, stime:
-// clock ticks, every thread, live and ended). The kernel splits its precise run time between the
-// two by the ratio of the timer ticks that found the process in each mode, so over a round the
-// ratio is an estimate (a few hundred ticks at this load), used only to split proc_cpu_s's total.
-std::pair<double, double> proc_user_sys_ticks(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string s((std::istreambuf_iterator<char>(f)), {});
-  const auto rp = s.rfind(')');
-  if (rp == std::string::npos || rp + 2 > s.size()) return {0, 0};
-  std::istringstream is(s.substr(rp + 2));
-  std::string tok;
-  std::vector<std::string> v;
-  while (is >> tok) v.push_back(tok);
-  if (v.size() < 13) return {0, 0};
-  return {std::stod(v[11]), std::stod(v[12])};
+  const auto [user, sys] = proc_user_sys_ticks(pid);
+  return (user + sys) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 double proc_hwm_mb(pid_t pid) {
@@ -295,9 +289,9 @@ nlohmann::json get_json(const std::string& base_url, const std::string& target) 
 struct Round {
   RunResult run;
   double cpu_ms = 0, rss = 0;
-  // cpu_ms split by the kernel's user/system tick ratio over the round (proc_user_sys_ticks):
-  // the system part is mostly loopback TCP (each send runs the receiver's TCP input and wake-up),
-  // which any proxy of one connection per request pays the same.
+  // cpu_ms split by the kernel's user/system tick ratio over the round (proc_user_sys_ticks): the
+  // system part is mostly loopback TCP (each send runs the receiver's TCP input and wake-up) and the
+  // proxy's other system calls (docs/proxy.md counts them per request for both proxies).
   double cpu_user_ms = 0, cpu_sys_ms = 0;
   double reuse = 0;  // the stubs' prefill reuse over the round: the routing's ground truth
   nlohmann::json router;  // /proxy/stats "router": both proxies count routed, affinity, spilled, unmatched
@@ -352,11 +346,7 @@ int run(const BenchProxyOptions& o) {
     RunResult base = drive({s0.url(), s1.url()}, trace, conc, o.client_threads);
     // Rounds: ours then the reference, each from cold stub caches, `rounds` times (the VM's noise
     // moves single figures by tens of per cent; the medians and the per-round pairs are reported).
-    struct Ours {
-      Round round;
-    };
-    std::vector<Ours> ours;
-    std::vector<Round> refs;
+    std::vector<Round> ours, refs;
     // One round of a proxy from cold stub caches (reset, so the stubs' prefill reuse reflects that
     // proxy's routing only).
     auto cold_round = [&](const Child& ch) {
@@ -370,7 +360,7 @@ int run(const BenchProxyOptions& o) {
       return r;
     };
     for (int round = 0; round < std::max(1, o.rounds); ++round) {
-      ours.push_back(Ours{cold_round(spawn_proxy({s0.url(), s1.url()}, o.proxy_threads))});
+      ours.push_back(cold_round(spawn_proxy({s0.url(), s1.url()}, o.proxy_threads)));
       // The reference proxy, same stubs, same trace.
       if (!o.reference.empty()) refs.push_back(cold_round(spawn_reference(o, {s0.url(), s1.url()})));
     }
@@ -391,48 +381,56 @@ int run(const BenchProxyOptions& o) {
       return a;
     };
     std::size_t errors = 0;
-    for (const auto& u : ours) errors += u.round.run.errors;
+    for (const auto& r : ours) errors += r.run.errors;
     nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
                           {"proxy_threads", o.proxy_threads}, {"errors", errors}, {"baseline", "direct to stubs"},
                           {"rounds", R}};
+    // The per-round figures read for both proxies.
+    auto cpu_of = [](const Round& r) { return r.cpu_ms; };
+    auto reuse_of = [](const Round& r) { return r.reuse; };
+    auto unmatched_of = [](const Round& r) { return r.share("unmatched"); };
+    auto p99_of = [](const Round& r) { return r.run.p99_ms; };
+    auto rps_of = [](const Round& r) { return r.run.req_per_s; };
+    // Per round, ours minus the reference's, in points (f: a share).
+    auto pts_over_reference = [&](auto f) {
+      std::vector<double> d;
+      for (int i = 0; i < R; ++i) d.push_back((f(ours[i]) - f(refs[i])) * 100.0);
+      return d;
+    };
     // Single figures: the median over rounds (for one round, that round's).
-    const double cpu_ms = med(ours, [](const Ours& u) { return u.round.cpu_ms; });
-    const double unmatched = mean(ours, [](const Ours& u) { return u.round.share("unmatched"); });
+    const double cpu_ms = med(ours, cpu_of);
+    const double unmatched = mean(ours, unmatched_of);
     if (!refs.empty()) {
       nlohmann::json rc = cfg;
       rc["baseline"] = "the reference proxy (Python), same run";
       rc["reference_errors"] = list(refs, [](const Round& r) { return r.run.errors; });
       nlohmann::json ratios = nlohmann::json::array();
-      for (int i = 0; i < R; ++i) ratios.push_back(ours[i].round.cpu_ms / refs[i].cpu_ms);
+      for (int i = 0; i < R; ++i) ratios.push_back(ours[i].cpu_ms / refs[i].cpu_ms);
       nlohmann::json c1 = rc;
       c1["round_ratios"] = ratios;
-      c1["ours_per_round"] = list(ours, [](const Ours& u) { return u.round.cpu_ms; });
-      c1["reference_per_round"] = list(refs, [](const Round& r) { return r.cpu_ms; });
-      rep.emit({"proxy", "cpu_ms_per_request_vs_reference", cpu_ms, "ms", med(refs, [](const Round& r) { return r.cpu_ms; }), c1});
+      c1["ours_per_round"] = list(ours, cpu_of);
+      c1["reference_per_round"] = list(refs, cpu_of);
+      rep.emit({"proxy", "cpu_ms_per_request_vs_reference", cpu_ms, "ms", med(refs, cpu_of), c1});
       // The same CPU split into user and system time (an estimate from the kernel's tick ratio).
       for (const bool user : {true, false}) {
         auto part = [user](const Round& r) { return user ? r.cpu_user_ms : r.cpu_sys_ms; };
         nlohmann::json cu = rc;
-        cu["ours_per_round"] = list(ours, [&](const Ours& u) { return part(u.round); });
+        cu["ours_per_round"] = list(ours, part);
         cu["reference_per_round"] = list(refs, part);
         cu["split"] = "proc_cpu_s by the utime/stime tick ratio of /proc/PID/stat over the round";
         rep.emit({"proxy", user ? "cpu_user_ms_per_request_vs_reference" : "cpu_sys_ms_per_request_vs_reference",
-                  med(ours, [&](const Ours& u) { return part(u.round); }), "ms", med(refs, part), cu});
+                  med(ours, part), "ms", med(refs, part), cu});
       }
-      rep.emit({"proxy", "added_latency_p99_ms_vs_reference", med(ours, [](const Ours& u) { return u.round.run.p99_ms; }), "ms",
-                med(refs, [](const Round& r) { return r.run.p99_ms; }), rc});
-      rep.emit({"proxy", "requests_per_s_vs_reference", med(ours, [](const Ours& u) { return u.round.run.req_per_s; }), "req/s",
-                med(refs, [](const Round& r) { return r.run.req_per_s; }), rc});
+      rep.emit({"proxy", "added_latency_p99_ms_vs_reference", med(ours, p99_of), "ms", med(refs, p99_of), rc});
+      rep.emit({"proxy", "requests_per_s_vs_reference", med(ours, rps_of), "req/s", med(refs, rps_of), rc});
       // The share of unmatched requests: the mean over rounds, and the per-round difference.
       nlohmann::json c2 = rc;
-      c2["ours_per_round"] = list(ours, [](const Ours& u) { return u.round.share("unmatched"); });
-      c2["reference_per_round"] = list(refs, [](const Round& r) { return r.share("unmatched"); });
-      c2["spilled_ours_per_round"] = list(ours, [](const Ours& u) { return u.round.share("spilled"); });
+      c2["ours_per_round"] = list(ours, unmatched_of);
+      c2["reference_per_round"] = list(refs, unmatched_of);
+      c2["spilled_ours_per_round"] = list(ours, [](const Round& r) { return r.share("spilled"); });
       c2["spilled_reference_per_round"] = list(refs, [](const Round& r) { return r.share("spilled"); });
-      rep.emit({"proxy", "unmatched_fraction_vs_reference", unmatched, "fraction",
-                mean(refs, [](const Round& r) { return r.share("unmatched"); }), c2});
-      std::vector<double> diff;
-      for (int i = 0; i < R; ++i) diff.push_back((ours[i].round.share("unmatched") - refs[i].share("unmatched")) * 100.0);
+      rep.emit({"proxy", "unmatched_fraction_vs_reference", unmatched, "fraction", mean(refs, unmatched_of), c2});
+      const std::vector<double> diff = pts_over_reference(unmatched_of);
       double m = 0, v = 0;
       for (double d : diff) m += d / R;
       for (double d : diff) v += (d - m) * (d - m) / std::max(1, R - 1);
@@ -443,41 +441,38 @@ int run(const BenchProxyOptions& o) {
       // What the routing is for: the share of prompt tokens the stubs found in their prefix cache,
       // ours against the reference's (the mean over rounds, and the per-round difference).
       nlohmann::json c4 = rc;
-      c4["ours_per_round"] = list(ours, [](const Ours& u) { return u.round.reuse; });
-      c4["reference_per_round"] = list(refs, [](const Round& r) { return r.reuse; });
-      std::vector<double> rdiff;
-      for (int i = 0; i < R; ++i) rdiff.push_back((ours[i].round.reuse - refs[i].reuse) * 100.0);
-      c4["pts_over_reference_per_round"] = rdiff;
-      rep.emit({"proxy", "stub_prefill_reuse_vs_reference", mean(ours, [](const Ours& u) { return u.round.reuse; }),
-                "fraction", mean(refs, [](const Round& r) { return r.reuse; }), c4});
+      c4["ours_per_round"] = list(ours, reuse_of);
+      c4["reference_per_round"] = list(refs, reuse_of);
+      c4["pts_over_reference_per_round"] = pts_over_reference(reuse_of);
+      rep.emit({"proxy", "stub_prefill_reuse_vs_reference", mean(ours, reuse_of), "fraction", mean(refs, reuse_of), c4});
     }
-    rep.emit({"proxy", "requests_per_s", med(ours, [](const Ours& u) { return u.round.run.req_per_s; }), "req/s", base.req_per_s, cfg});
-    rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Ours& u) { return u.round.run.p50_ms; }), "ms", base.p50_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms", med(ours, [](const Ours& u) { return u.round.run.p99_ms; }), "ms", base.p99_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms_incl_connect", med(ours, [](const Ours& u) { return u.round.run.p99_all_ms; }), "ms",
+    rep.emit({"proxy", "requests_per_s", med(ours, rps_of), "req/s", base.req_per_s, cfg});
+    rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Round& r) { return r.run.p50_ms; }), "ms", base.p50_ms, cfg});
+    rep.emit({"proxy", "added_latency_p99_ms", med(ours, p99_of), "ms", base.p99_ms, cfg});
+    rep.emit({"proxy", "added_latency_p99_ms_incl_connect", med(ours, [](const Round& r) { return r.run.p99_all_ms; }), "ms",
               base.p99_all_ms, cfg});
     {
       nlohmann::json c1 = cfg;
-      c1["per_round"] = list(ours, [](const Ours& u) { return u.round.cpu_ms; });
+      c1["per_round"] = list(ours, cpu_of);
       rep.emit({"proxy", "cpu_s_per_1k_requests", cpu_ms, "s", std::nullopt, c1});
     }
     double rss = 0;
-    for (const auto& u : ours) rss = std::max(rss, u.round.rss);
+    for (const auto& r : ours) rss = std::max(rss, r.rss);
     rep.emit({"proxy", "proxy_peak_rss_mb", rss, "MiB", std::nullopt, cfg});
-    if (ours.back().round.router.is_object()) {
-      const auto& r = ours.back().round.router;  // the counters of the last round
+    if (ours.back().router.is_object()) {
+      const auto& last = ours.back().router;  // the counters of the last round
       auto c2 = cfg;
-      c2["affinity"] = r["affinity"];
-      c2["spilled"] = r["spilled"];
-      c2["unmatched"] = r["unmatched"];
-      c2["tracked_blocks"] = r["tracked_blocks"];
-      c2["per_round"] = list(ours, [](const Ours& u) { return u.round.share("unmatched"); });
+      c2["affinity"] = last["affinity"];
+      c2["spilled"] = last["spilled"];
+      c2["unmatched"] = last["unmatched"];
+      c2["tracked_blocks"] = last["tracked_blocks"];
+      c2["per_round"] = list(ours, unmatched_of);
       rep.emit({"proxy", "unmatched_fraction", unmatched, "fraction", 1.0 / to.group, c2});
-      c2["per_round"] = list(ours, [](const Ours& u) { return u.round.share("affinity"); });
-      rep.emit({"proxy", "affinity_fraction", mean(ours, [](const Ours& u) { return u.round.share("affinity"); }), "fraction",
+      c2["per_round"] = list(ours, [](const Round& r) { return r.share("affinity"); });
+      rep.emit({"proxy", "affinity_fraction", mean(ours, [](const Round& r) { return r.share("affinity"); }), "fraction",
                 std::nullopt, c2});
     }
-    rep.emit({"proxy", "stub_prefill_reuse", mean(ours, [](const Ours& u) { return u.round.reuse; }), "fraction", std::nullopt, cfg});
+    rep.emit({"proxy", "stub_prefill_reuse", mean(ours, reuse_of), "fraction", std::nullopt, cfg});
     s0.stop();
     s1.stop();
   }
