@@ -63,6 +63,7 @@ void row_portable(const float* x, std::int64_t ldx, const float* w, std::int64_t
     y[i * ldy] = s + bias;
   }
 }
+#pragma GCC diagnostic pop
 
 }  // namespace
 namespace detail {
@@ -139,6 +140,12 @@ __attribute__((target("avx2,fma"))) void row1_avx2(const float* x, std::int64_t,
 
 // The same with 512-bit vectors (K unrolled by 32): half the instructions per weight row, for the
 // few-row steps whose weight stream is not yet the bound (decode at batch 2-11).
+// g++ 12's _mm512_reduce_add_ps extracts a half through _mm512_extractf64x4_pd, whose header passes
+// an undefined merge source that -Wuninitialized reports once inlined here: a false positive of the
+// header (as in cpu_gemm.cpp's transposed store).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <int MR>
 __attribute__((target("avx512f"))) void row_avx512(const float* x, std::int64_t ldx, const float* w,
                                                   std::int64_t K, float* y, std::int64_t ldy, float bias) {
@@ -162,6 +169,7 @@ __attribute__((target("avx512f"))) void row_avx512(const float* x, std::int64_t 
     y[i * ldy] = s + bias;
   }
 }
+#pragma GCC diagnostic pop
 
 }  // namespace
 namespace detail {
