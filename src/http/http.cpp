@@ -112,10 +112,11 @@ Response json_response(int status, std::string body) {
 }
 
 bool is_hop_by_hop(std::string_view n) {
-  static const char* const kNames[] = {"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
-                                       "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"};
-  for (const char* k : kNames)
-    if (iequals(n, k)) return true;
+  static constexpr std::string_view kNames[] = {"connection", "keep-alive", "proxy-connection",
+                                                "proxy-authenticate", "proxy-authorization", "te",
+                                                "trailer", "transfer-encoding", "upgrade"};
+  for (std::string_view k : kNames)
+    if (n.size() == k.size() && iequals(n, k)) return true;
   return false;
 }
 

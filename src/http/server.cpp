@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -162,8 +163,10 @@ class Writer final : public ResponseWriter {
     if (data.empty() || head_) co_return true;
     if (chunked_) {
       char prefix[24];
-      int n = std::snprintf(prefix, sizeof prefix, "%zx\r\n", data.size());
-      std::array<net::const_buffer, 3> bufs{net::buffer(prefix, static_cast<std::size_t>(n)),
+      char* end = std::to_chars(prefix, prefix + 20, data.size(), 16).ptr;
+      *end++ = '\r';
+      *end++ = '\n';
+      std::array<net::const_buffer, 3> bufs{net::buffer(prefix, static_cast<std::size_t>(end - prefix)),
                                             net::buffer(data.data(), data.size()), net::buffer("\r\n", 2)};
       co_return co_await write_bufs(bufs);
     }
@@ -213,8 +216,8 @@ class Writer final : public ResponseWriter {
     out.clear();
     out += "HTTP/1.1 ";
     char num[24];
-    auto n = std::snprintf(num, sizeof num, "%d ", status);
-    out.append(num, static_cast<std::size_t>(n));
+    out.append(num, std::to_chars(num, num + sizeof num, status).ptr);
+    out += ' ';
     out += reason_phrase(status);
     out += "\r\n";
     for (const auto& x : h) {
@@ -227,9 +230,8 @@ class Writer final : public ResponseWriter {
     if (chunked) {
       out += "Transfer-Encoding: chunked\r\n";
     } else {
-      n = std::snprintf(num, sizeof num, "%llu", static_cast<unsigned long long>(content_length));
       out += "Content-Length: ";
-      out.append(num, static_cast<std::size_t>(n));
+      out.append(num, std::to_chars(num, num + sizeof num, content_length).ptr);
       out += "\r\n";
     }
     if (!keep_alive_) out += "Connection: close\r\n";

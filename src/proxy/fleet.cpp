@@ -52,6 +52,7 @@ void Proxy::Impl::note_transition(int r, ReplicaState old, ReplicaState s, const
   LS_LOG_INFO("proxy", "replica {} ({}) {} -> {} ({})", r, replicas[static_cast<std::size_t>(r)]->url_str, state_name(old),
               state_name(s), why);
   if (s == ReplicaState::kSyncing || s == ReplicaState::kEjected) router.purge_replica(r);
+  replicas[static_cast<std::size_t>(r)]->changed.notify_all();  // the replica's health loop
 }
 
 void Proxy::Impl::eject(int r, const std::string& reason) {
@@ -261,7 +262,8 @@ http::Task<http::Response> Proxy::Impl::handle_broadcast(const http::Request& re
     router.set_registered(registry_names());
     if (cfg.unload_drain_timeout > 0) {
       auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.unload_drain_timeout));
-      while (router.adapter_inflight(name) > 0 && Clock::now() < until) co_await sleep_for(0.01);
+      // Woken by the end of the adapter's last request in flight (finish_routed), not polled.
+      co_await adapter_idle.wait_until([&] { return router.adapter_inflight(name) == 0; }, until);
     }
   }
   if (path == "/pause") {
@@ -588,7 +590,7 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
         set_state(r, ReplicaState::kProbing, "cooldown over");
         next_probe = Clock::now();
       } else {
-        co_await sleep_for(std::min(0.05, std::chrono::duration<double>(until - Clock::now()).count()));
+        co_await state_change_or(r, ReplicaState::kEjected, until);
         continue;
       }
     }
@@ -626,8 +628,20 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
       LS_LOG_ERROR("proxy", "health check of replica {} failed: {}", r, e.what());
       failed = true;
     }
-    co_await sleep_for(failed ? 0.5 : 0.05);
+    // Asleep until the next probe is due (after a failure: 0.5 s; while the replica syncs: until
+    // the re-sync ends), woken early by any transition of the replica's state (an ejection seen on
+    // client traffic, the end of a re-sync).
+    const ReplicaState seen = rep.get();
+    Clock::time_point due = next_probe;
+    if (failed) due = Clock::now() + std::chrono::milliseconds(500);
+    else if (seen == ReplicaState::kSyncing) due = Clock::time_point::max();
+    co_await state_change_or(r, seen, due);
   }
+}
+
+http::Task<void> Proxy::Impl::state_change_or(int r, ReplicaState seen, Clock::time_point until) {
+  Replica& rep = *replicas[static_cast<std::size_t>(r)];
+  co_await rep.changed.wait_until([&] { return stopping.load() || rep.get() != seen; }, until);
 }
 
 http::Task<void> Proxy::Impl::reconcile_loop() {

@@ -31,17 +31,6 @@ http::Task<void> sleep_for(double seconds) {
   co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
 }
 
-http::Task<void> AsyncMutex::lock() {
-  std::uint64_t ticket = next_.fetch_add(1);
-  while (serving_.load() != ticket) co_await sleep_for(0.002);
-}
-
-bool AsyncMutex::try_lock() {
-  std::uint64_t s = serving_.load();
-  std::uint64_t expected = s;
-  return next_.compare_exchange_strong(expected, s + 1);
-}
-
 const char* state_name(ReplicaState s) {
   switch (s) {
     case ReplicaState::kInService: return "in_service";
@@ -385,7 +374,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       }
     }
     if (pick < 0) {
-      if (routed && !first) router.finish_request(scan.model, std::nullopt);
+      if (routed && !first) finish_routed(scan.model, std::nullopt);
       if (last_5xx) {
         http::Response r;
         r.status = last_5xx->status;
@@ -438,7 +427,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       if (res.error == http::CallError::kCancelled || gone.fired()) {
         client_aborts.fetch_add(1);
         metrics.inc("client_aborts_total");
-        if (routed) router.finish_request(scan.model, std::nullopt);
+        if (routed) finish_routed(scan.model, std::nullopt);
         w.abort();
         co_return;
       }
@@ -446,7 +435,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
         // The proxy itself is out of descriptors or memory: not the replica's fault (no failure
         // counted, no ejection), and no retry that would need the same resources.
         metrics.inc("local_resource_errors_total");
-        if (routed) router.finish_request(scan.model, std::nullopt);
+        if (routed) finish_routed(scan.model, std::nullopt);
         LS_LOG_ERROR("proxy", "[{}] {}", rid, res.message);
         co_await send_error(503, "the proxy is out of local resources (file descriptors or memory); retry later");
         co_return;
@@ -456,7 +445,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       last_error = "upstream " + rep.url_str + " failed: " + res.message;
       last_status = timeout ? 504 : 502;
       if (timeout || attempts > cfg.max_retries) {
-        if (routed) router.finish_request(scan.model, std::nullopt);
+        if (routed) finish_routed(scan.model, std::nullopt);
         co_await send_error(last_status, last_error);
         co_return;
       }
@@ -543,7 +532,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       }
     }
     if (ok) ok = co_await w.finish();
-    if (routed) router.finish_request(scan.model, cached_hdr ? cached_hdr : cached.value());
+    if (routed) finish_routed(scan.model, cached_hdr ? cached_hdr : cached.value());
     finish_code(ok ? status : 499);
     cells.duration->observe(std::chrono::duration<double>(Clock::now() - t0).count());
     co_return;
@@ -575,6 +564,7 @@ std::uint16_t Proxy::port() const { return impl_->server->port(); }
 
 void Proxy::stop() {
   impl_->stopping.store(true);
+  for (auto& rep : impl_->replicas) rep->changed.notify_all();  // the health loops end
   impl_->server->stop(impl_->cfg.shutdown_grace);
 }
 

@@ -13,6 +13,7 @@
 
 #include "http/client.h"
 #include "http/server.h"
+#include "proxy/async_sync.h"
 #include "proxy/config.h"
 #include "proxy/metrics.h"
 #include "proxy/proxy.h"
@@ -43,25 +44,9 @@ struct Replica {
   // Set when a routed request found a registered adapter missing (404): reconciliation re-syncs
   // the replica at its next pass.
   std::atomic<bool> needs_resync{false};
+  // Announced on every state transition: wakes the replica's health loop.
+  Notifier changed;
   ReplicaState get() const { return static_cast<ReplicaState>(state.load()); }
-};
-
-// FIFO async mutex (ticket lock; waiters poll every 2 ms, fleet operations are rare).
-class AsyncMutex {
- public:
-  http::Task<void> lock();
-  bool try_lock();
-  void unlock() { serving_.fetch_add(1); }
-  bool busy() const { return serving_.load() != next_.load(); }
-
- private:
-  std::atomic<std::uint64_t> next_{0}, serving_{0};
-};
-
-// Releases an AsyncMutex at the end of the scope (after lock() or a successful try_lock()).
-struct AsyncMutexHeld {
-  AsyncMutex& m;
-  ~AsyncMutexHeld() { m.unlock(); }
 };
 
 struct RegisteredAdapter {
@@ -112,6 +97,11 @@ class Proxy::Impl {
   // re-sync runs without the lock and commits only if no operation ran meanwhile (one that did
   // skipped the syncing replica): otherwise it converges again.
   std::uint64_t fleet_epoch = 0;
+  // Announced when an adapter's last routed request in flight ends: an unload drains on it.
+  Notifier adapter_idle;
+  void finish_routed(std::string_view adapter, std::optional<std::uint64_t> cached_tokens) {
+    if (router.finish_request(adapter, cached_tokens) == 0) adapter_idle.notify_all();
+  }
 
   // The request path's metric series, looked up once by init_metric_cells (proxy.cpp).
   struct RouteCells {
@@ -145,6 +135,8 @@ class Proxy::Impl {
   // push.cpp: two-phase adapter push (moves the request body into the registry).
   http::Task<http::Response> handle_push(http::Request& req, const std::string& rid);
   http::Task<void> health_loop(int r);
+  // Until replica r leaves state `seen` (or the proxy stops), or `until`.
+  http::Task<void> state_change_or(int r, ReplicaState seen, Clock::time_point until);
   http::Task<void> reconcile_loop();
   http::Task<void> stats_log_loop();
   // Converges replica r to the fleet's intended state (syncing meanwhile) and puts it in service,

@@ -1,6 +1,7 @@
 #include "proxy/router.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "util/error.h"
 
@@ -138,12 +139,23 @@ Decision Router::route(std::span<const Hash128> blocks, std::uint64_t eligible, 
 
 void Router::release(int replica) { load_[replica].fetch_sub(1, std::memory_order_relaxed); }
 
+const AdapterStats* Router::find_adapter_locked(std::string_view name) const {
+  // Newest first: the adapter being trained is the last name added, and a run advances through
+  // dozens of versions whose names differ only near their ends.
+  for (auto it = adapters_.rbegin(); it != adapters_.rend(); ++it)
+    if (it->name == name) return &*it;
+  return nullptr;
+}
+
+AdapterStats* Router::find_adapter_locked(std::string_view name) {
+  return const_cast<AdapterStats*>(std::as_const(*this).find_adapter_locked(name));
+}
+
 AdapterStats& Router::adapter_locked(std::string_view name) {
-  for (auto& a : adapters_)
-    if (a.name == name) {
-      a.last_use = ++use_clock_;
-      return a;
-    }
+  if (AdapterStats* a = find_adapter_locked(name)) {
+    a->last_use = ++use_clock_;
+    return *a;
+  }
   if (adapters_.size() >= kMaxAdapterNames) {
     // Drop the least recently used unregistered name with nothing in flight.
     int victim = -1;
@@ -162,14 +174,13 @@ AdapterStats& Router::adapter_locked(std::string_view name) {
   return adapters_.back();
 }
 
-void Router::finish_request(std::string_view adapter, std::optional<std::uint64_t> cached_tokens) {
+std::int64_t Router::finish_request(std::string_view adapter, std::optional<std::uint64_t> cached_tokens) {
   std::lock_guard lk(mu_);
-  for (auto& a : adapters_)
-    if (a.name == adapter) {
-      if (a.inflight > 0) --a.inflight;
-      if (cached_tokens) a.cached_tokens = a.cached_tokens.value_or(0) + *cached_tokens;
-      return;
-    }
+  AdapterStats* a = find_adapter_locked(adapter);
+  if (!a) return 0;
+  if (a->inflight > 0) --a->inflight;
+  if (cached_tokens) a->cached_tokens = a->cached_tokens.value_or(0) + *cached_tokens;
+  return a->inflight;
 }
 
 std::size_t Router::purge_replica(int replica) {
@@ -184,9 +195,8 @@ void Router::set_registered(std::vector<std::string> names) {
 
 std::int64_t Router::adapter_inflight(std::string_view adapter) const {
   std::lock_guard lk(mu_);
-  for (const auto& a : adapters_)
-    if (a.name == adapter) return a.inflight;
-  return 0;
+  const AdapterStats* a = find_adapter_locked(adapter);
+  return a ? a->inflight : 0;
 }
 
 RouterSnapshot Router::snapshot() const {

@@ -79,7 +79,8 @@ class Router {
   // The attempt on `replica` ended.
   void release(int replica);
   // The request (all its attempts) ended; cached_tokens as read from the reply, if any.
-  void finish_request(std::string_view adapter, std::optional<std::uint64_t> cached_tokens);
+  // Returns the adapter's routed requests still in flight after this one.
+  std::int64_t finish_request(std::string_view adapter, std::optional<std::uint64_t> cached_tokens);
 
   // Clears `replica`'s ownership bits (ejection, syncing, reset_prefix_cache).
   std::size_t purge_replica(int replica);
@@ -93,6 +94,8 @@ class Router {
 
  private:
   AdapterStats& adapter_locked(std::string_view name);
+  AdapterStats* find_adapter_locked(std::string_view name);
+  const AdapterStats* find_adapter_locked(std::string_view name) const;
 
   RouterOptions opts_;
   std::uint64_t all_mask_;

@@ -125,8 +125,11 @@ std::string random_hex(std::size_t n_bytes) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   out.reserve(n_bytes * 2);
+  std::uint64_t bits = 0;
   for (std::size_t i = 0; i < n_bytes; ++i) {
-    auto b = static_cast<unsigned>(gen() & 0xff);
+    if (i % 8 == 0) bits = gen();  // eight bytes per draw
+    auto b = static_cast<unsigned>(bits & 0xff);
+    bits >>= 8;
     out.push_back(kHex[b >> 4]);
     out.push_back(kHex[b & 15]);
   }

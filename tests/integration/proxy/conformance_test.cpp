@@ -352,6 +352,31 @@ bool eventually(const std::function<bool()>& done, double seconds = 10) {
   return done();
 }
 
+// An unload waits for the adapter's requests in flight (--unload-drain-timeout) and is woken by
+// the end of the last one, not by a poll or the timeout.
+TEST(ProxyConformance, UnloadDrainsTheAdaptersRequestsAndEndsWhenTheLastOneDoes) {
+  Fleet f(1, [](ProxyConfig& c) { c.unload_drain_timeout = 8; });
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
+  f.stubs[0]->latency_s = 0.6;
+  std::atomic<double> generation_ended{0};
+  std::thread gen([&] {
+    EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1}, "policy-v1")).status, 200);
+    generation_ended = now_seconds();
+  });
+  ASSERT_TRUE(eventually([&] { return f.proxy->stats()["upstreams"][0]["inflight"].get<int>() == 1; }));
+  const double t0 = now_seconds();
+  auto r = call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"policy-v1"})");
+  const double unloaded = now_seconds();
+  gen.join();
+  EXPECT_EQ(r.status, 200) << r.body;
+  // The unload reached the replica only after the request had been answered...
+  ASSERT_GT(generation_ended.load(), 0);
+  EXPECT_GE(unloaded + 0.05, generation_ended.load());
+  EXPECT_TRUE(f.stubs[0]->loaded().empty());
+  // ...and right after it: far from the 8 s timeout (the request had at most 0.6 s left).
+  EXPECT_LT(unloaded - t0, 3.0);
+}
+
 // Adapter push (docs/http-api.md), two-phase across the fleet.
 std::string push_body(const std::string& name) {
   const std::string cfg = "{}", weights(1000, 'w');

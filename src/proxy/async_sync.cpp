@@ -1,0 +1,124 @@
+#include <utility>
+
+#include "proxy/async_sync.h"
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <algorithm>
+
+namespace lorasync::proxy {
+
+namespace net = boost::asio;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// The wake-up of a waiter: the cancellation of its timer, posted to the waiter's own executor (its
+// strand, or the only I/O thread), so it runs after the waiter has issued its wait and is never
+// lost. The waits are bounded (1 s) only to guard an executor that runs handlers concurrently.
+void wake(const std::shared_ptr<net::steady_timer>& timer) {
+  net::post(timer->get_executor(), [timer] { timer->cancel(); });
+}
+
+http::Task<void> wait_on(net::steady_timer& timer, Clock::time_point deadline) {
+  timer.expires_at(std::min(deadline, Clock::now() + std::chrono::seconds(1)));
+  boost::system::error_code ec;
+  co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
+}
+
+}  // namespace
+
+struct AsyncMutex::Waiter {
+  explicit Waiter(net::any_io_executor ex) : timer(std::make_shared<net::steady_timer>(std::move(ex))) {}
+  bool granted = false;  // under mu_
+  std::shared_ptr<net::steady_timer> timer;
+};
+
+AsyncMutex::AsyncMutex() = default;
+AsyncMutex::~AsyncMutex() = default;
+
+http::Task<void> AsyncMutex::lock() {
+  auto ex = co_await net::this_coro::executor;
+  std::shared_ptr<Waiter> w;
+  {
+    std::lock_guard lk(mu_);
+    if (!held_) {
+      held_ = true;
+      co_return;
+    }
+    w = std::make_shared<Waiter>(ex);
+    waiters_.push_back(w);
+  }
+  for (;;) {
+    {
+      std::lock_guard lk(mu_);
+      if (w->granted) co_return;
+    }
+    co_await wait_on(*w->timer, Clock::time_point::max());
+  }
+}
+
+bool AsyncMutex::try_lock() {
+  std::lock_guard lk(mu_);
+  if (held_) return false;
+  held_ = true;
+  return true;
+}
+
+void AsyncMutex::unlock() {
+  std::lock_guard lk(mu_);
+  if (waiters_.empty()) {
+    held_ = false;
+    return;
+  }
+  // Handed over: the lock stays held, now by the oldest waiter.
+  std::shared_ptr<Waiter> w = std::move(waiters_.front());
+  waiters_.pop_front();
+  w->granted = true;
+  wake(w->timer);
+}
+
+struct Notifier::Waiter {
+  explicit Waiter(net::any_io_executor ex) : timer(std::make_shared<net::steady_timer>(std::move(ex))) {}
+  std::shared_ptr<net::steady_timer> timer;
+};
+
+Notifier::Notifier() : st_(std::make_shared<State>()) {}
+Notifier::~Notifier() = default;
+
+http::Task<bool> Notifier::wait_until(std::function<bool()> holds, Clock::time_point deadline) {
+  auto w = std::make_shared<Waiter>(co_await net::this_coro::executor);
+  std::shared_ptr<State> st = st_;
+  {
+    std::lock_guard lk(st->mu);
+    st->waiters.push_back(w);
+  }
+  // Registered before the first check: a change made after it is announced to this waiter.
+  st->waiting.fetch_add(1);
+  struct Leave {
+    std::shared_ptr<State> st;
+    std::shared_ptr<Waiter> w;
+    ~Leave() {
+      std::lock_guard lk(st->mu);
+      std::erase(st->waiters, w);
+      st->waiting.fetch_sub(1);
+    }
+  } leave{st, w};
+  for (;;) {
+    if (holds()) co_return true;
+    if (Clock::now() >= deadline) co_return false;
+    co_await wait_on(*w->timer, deadline);
+  }
+}
+
+void Notifier::notify_all() {
+  if (st_->waiting.load() == 0) return;
+  std::lock_guard lk(st_->mu);
+  for (const auto& w : st_->waiters) wake(w->timer);
+}
+
+}  // namespace lorasync::proxy
