@@ -609,4 +609,53 @@ bool json_is_valid(std::string_view body) {
   return v.value(0, nullptr) && v.at_end();
 }
 
+void CachedTokensScanner::scan(std::string_view s) {
+  // One pass for the keys' common stem (memmem), then which key it is: JSON answers are full of
+  // quotes, so searching each whole key from every quote cost several times more.
+  static constexpr std::string_view kStem = "\"cached_";
+  const char* p = s.data();
+  const char* const end = s.data() + s.size();
+  while (p < end) {
+    const void* hit = ::memmem(p, static_cast<std::size_t>(end - p), kStem.data(), kStem.size());
+    if (hit == nullptr) break;
+    const char* q = static_cast<const char*>(hit) + kStem.size();
+    p = q;
+    const std::string_view rest(q, static_cast<std::size_t>(end - q));
+    if (rest.starts_with("prompt_tokens\"")) q += 14;
+    else if (rest.starts_with("tokens\"")) q += 7;
+    else continue;
+    while (q < end && (*q == ' ' || *q == ':')) ++q;
+    std::uint64_t v = 0;
+    const char* d = q;
+    while (d < end && *d >= '0' && *d <= '9' && d - q < 19) v = v * 10 + static_cast<std::uint64_t>(*d++ - '0');
+    // A complete count: a delimiter follows within this text (a longer run of digits is no count).
+    if (d > q && d < end && (*d < '0' || *d > '9')) value_ = v;
+    p = q;
+  }
+}
+
+void CachedTokensScanner::feed(std::string_view piece) {
+  // A key or count cut by a piece boundary is found in the carried tail joined to what follows.
+  // Everything found twice (in the join, then in the piece) is found in order, so the last one
+  // found is still the last one in the body.
+  if (carry_n_ + piece.size() <= sizeof carry_) {
+    std::memcpy(carry_ + carry_n_, piece.data(), piece.size());
+    carry_n_ += piece.size();
+    scan({carry_, carry_n_});
+  } else {  // here carry_n_ <= kCarry < piece.size()
+    char join[2 * kCarry];
+    std::memcpy(join, carry_, carry_n_);
+    std::memcpy(join + carry_n_, piece.data(), kCarry);
+    scan({join, carry_n_ + kCarry});
+    scan(piece);
+    std::memcpy(carry_, piece.data() + piece.size() - kCarry, kCarry);
+    carry_n_ = kCarry;
+    return;
+  }
+  if (carry_n_ > kCarry) {  // keep the last kCarry bytes
+    std::memmove(carry_, carry_ + carry_n_ - kCarry, kCarry);
+    carry_n_ = kCarry;
+  }
+}
+
 }  // namespace lorasync::proxy

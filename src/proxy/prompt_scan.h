@@ -43,6 +43,23 @@ std::optional<ScanError> scan_routed_request(std::string_view body, std::size_t 
 // `lora_name` of an adapter route: the body must be a JSON object with a string `lora_name`.
 std::optional<ScanError> scan_lora_name(std::string_view body, std::string& name);
 
+// The prompt tokens a replica's prefix cache served, read from its answer without a DOM: the last
+// complete count under "cached_prompt_tokens" (lorasync serve) or "cached_tokens" (vLLM's
+// usage.prompt_tokens_details) in a body fed in any number of pieces (a JSON answer or an SSE
+// stream). Split anywhere, the pieces give the same value as the whole body.
+class CachedTokensScanner {
+ public:
+  void feed(std::string_view piece);
+  std::optional<std::uint64_t> value() const { return value_; }
+
+ private:
+  void scan(std::string_view s);
+  static constexpr std::size_t kCarry = 64;  // longer than a key, its colon, spaces and count
+  char carry_[2 * kCarry];
+  std::size_t carry_n_ = 0;
+  std::optional<std::uint64_t> value_;
+};
+
 // Validates that `body` is one well-formed JSON value (nesting <= 64). Used by fuzz tests.
 bool json_is_valid(std::string_view body);
 

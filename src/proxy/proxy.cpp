@@ -58,43 +58,6 @@ bool is_visible_ascii(std::string_view s) {
   return true;
 }
 
-// Finds "cached_prompt_tokens": N or "cached_tokens": N in a relayed stream (keys may straddle
-// two reads; a 64-byte tail of the previous piece is kept).
-class CachedTokensMatcher {
- public:
-  void feed(std::string_view piece) {
-    if (piece.size() < 64) {
-      buf_ += piece;
-      scan(buf_);
-      if (buf_.size() > 64) buf_.erase(0, buf_.size() - 64);
-      return;
-    }
-    std::string edge = buf_ + std::string(piece.substr(0, 64));
-    scan(edge);
-    scan(piece);
-    buf_.assign(piece.substr(piece.size() - 64));
-  }
-  std::optional<std::uint64_t> value() const { return value_; }
-
- private:
-  void scan(std::string_view s) {
-    for (std::string_view key : {std::string_view("\"cached_prompt_tokens\""), std::string_view("\"cached_tokens\"")}) {
-      std::size_t pos = 0;
-      while ((pos = s.find(key, pos)) != std::string_view::npos) {
-        std::size_t p = pos + key.size();
-        while (p < s.size() && (s[p] == ' ' || s[p] == ':')) ++p;
-        std::uint64_t v = 0;
-        std::size_t d = p;
-        while (d < s.size() && s[d] >= '0' && s[d] <= '9') v = v * 10 + static_cast<std::uint64_t>(s[d++] - '0');
-        if (d > p && d < s.size()) value_ = v;  // a complete number (followed by a delimiter)
-        pos = p;
-      }
-    }
-  }
-  std::string buf_;
-  std::optional<std::uint64_t> value_;
-};
-
 }  // namespace
 
 Proxy::Impl::Impl(ProxyConfig c) : cfg(std::move(c)), router(router_options(cfg)) {
@@ -496,7 +459,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     h.set("X-Request-Id", rid);
     h.add("X-Proxy-Upstream", std::to_string(pick));
     h.add("X-Proxy-Attempts", std::to_string(attempts));
-    CachedTokensMatcher cached;
+    CachedTokensScanner cached;
     std::optional<std::uint64_t> cached_hdr;
     if (!cfg.cached_tokens_header.empty())
       if (const auto* v = up.headers().find(cfg.cached_tokens_header)) cached_hdr = std::strtoull(v->c_str(), nullptr, 10);

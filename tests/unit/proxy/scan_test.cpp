@@ -266,5 +266,53 @@ TEST(ScanFuzz, AgreesWithReferenceParser) {
   EXPECT_GT(valid_seen, 100);
 }
 
+// The cached-token count of an answer: the last complete one, whatever the split into pieces.
+std::optional<std::uint64_t> cached_of(const std::vector<std::string>& pieces) {
+  CachedTokensScanner c;
+  for (const auto& p : pieces) c.feed(p);
+  return c.value();
+}
+
+TEST(CachedTokensScanner, ReadsEitherKeyAndTheLastCountWins) {
+  EXPECT_EQ(cached_of({R"({"usage":{"prompt_tokens":80,"cached_prompt_tokens":64}})"}), 64u);
+  EXPECT_EQ(cached_of({R"({"usage":{"prompt_tokens_details":{"cached_tokens": 32}}})"}), 32u);
+  EXPECT_EQ(cached_of({R"(data: {"cached_tokens":1}\n\ndata: {"cached_tokens":2}\n\n)"}), 2u);
+  EXPECT_EQ(cached_of({R"({"usage":{"prompt_tokens":80}})"}), std::nullopt);
+  EXPECT_EQ(cached_of({R"({"not_cached_tokens":5,"cached_token":6})"}), std::nullopt);
+  // A count cut at the end of what has arrived is not taken until its delimiter arrives...
+  EXPECT_EQ(cached_of({R"({"cached_tokens":12)"}), std::nullopt);
+  EXPECT_EQ(cached_of({R"({"cached_tokens":12)", "34}"}), 1234u);
+  // ...and a run of digits too long for a count is no count.
+  EXPECT_EQ(cached_of({R"({"cached_tokens":123456789012345678901})"}), std::nullopt);
+}
+
+TEST(CachedTokensScanner, PropertySplitAnywhereGivesTheWholeBodysValue) {
+  std::mt19937 rng(7);
+  const std::vector<std::string> keys = {"\"cached_prompt_tokens\"", "\"cached_tokens\"", "\"cached_\"", "\"prompt_tokens\""};
+  for (int iter = 0; iter < 2000; ++iter) {
+    // A body of JSON-like filler with keys and counts at random places.
+    std::string body;
+    std::optional<std::uint64_t> expect;
+    const int parts = static_cast<int>(rng() % 8);
+    for (int k = 0; k < parts; ++k) {
+      body.append(rng() % 200, "x\",: {}"[rng() % 7]);
+      const std::string& key = keys[rng() % keys.size()];
+      const std::uint64_t v = rng() % 100000;
+      body += key + std::string(rng() % 3, ' ') + ":" + std::string(rng() % 2, ' ') + std::to_string(v) + ",";
+      if (key == keys[0] || key == keys[1]) expect = v;
+    }
+    body += "}";
+    ASSERT_EQ(cached_of({body}), expect) << body;
+    // Split into random pieces, from 1 byte to longer than the carried tail.
+    std::vector<std::string> pieces;
+    for (std::size_t at = 0; at < body.size();) {
+      const std::size_t n = std::min<std::size_t>(body.size() - at, 1 + rng() % (rng() % 2 ? 8 : 300));
+      pieces.push_back(body.substr(at, n));
+      at += n;
+    }
+    ASSERT_EQ(cached_of(pieces), expect) << body;
+  }
+}
+
 }  // namespace
 }  // namespace lorasync::proxy
