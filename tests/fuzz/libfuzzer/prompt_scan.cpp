@@ -1,8 +1,9 @@
 // libFuzzer: the proxy's request scanner (proxy/prompt_scan.h) on arbitrary bodies. Checks: no
-// crash, no exception, agreement with serve's JSON parser (below), and a scanned routed request has
-// a well-formed result.
+// crash, no exception, agreement with serve's JSON parser (below), a scanned routed request has a
+// well-formed result, and the answer's cached-token scan gives the same value split or whole.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -40,5 +41,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::string name;
   auto e = scan_lora_name(body, name);
   if (!e && !valid) std::abort();
+  // The cached-token count of an upstream answer: split into pieces anywhere (sizes from the
+  // input), the same value as the whole body.
+  CachedTokensScanner whole, split;
+  whole.feed(body);
+  for (std::size_t at = 0, i = 0; at < size; ++i) {
+    const std::size_t n = std::min<std::size_t>(size - at, 1 + data[i % size] % 97);
+    split.feed(body.substr(at, n));
+    at += n;
+  }
+  if (whole.value() != split.value()) std::abort();
   return 0;
 }
