@@ -492,6 +492,29 @@ TEST(ProxyConformance, AReSyncNeverHoldsTheFleetLockAndConvergesToLaterOperation
       << "a replica returns to service only in the fleet's current state";
 }
 
+// While a replica syncs, its health loop sleeps until the re-sync ends (no probe is due, no tick):
+// the process stays idle, where a loop that re-checked without waiting would burn a core.
+TEST(ProxyConformance, AHealthLoopSleepsWhileItsReplicaSyncs) {
+  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.1; });
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
+  f.stubs[1]->load_delay_s = 3.0;
+  f.stubs[1]->forget_adapters();
+  auto state = [&](int r) { return f.proxy->stats()["upstreams"][r]["state"]; };
+  ASSERT_TRUE(eventually([&] { return state(1) == "syncing"; }));
+  auto cpu_s = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
+  const double c0 = cpu_s(), t0 = now_seconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  const double cpu = cpu_s() - c0, wall = now_seconds() - t0;
+  EXPECT_EQ(state(1), "syncing");
+  EXPECT_LT(cpu, 0.4 * wall) << "the proxy (and stubs) used " << cpu << " s of CPU in " << wall << " s while idle";
+  f.stubs[1]->load_delay_s = 0.0;
+  EXPECT_TRUE(eventually([&] { return state(1) == "in_service"; })) << "woken by the end of the re-sync";
+}
+
 // A routed 404 for a registered adapter (the replica restarted and lost it) goes to another
 // replica, and the one that lost it is re-synced.
 TEST(ProxyConformance, RoutedNotFoundForARegisteredAdapterRetriesAndResyncs) {
