@@ -19,7 +19,8 @@ namespace {
 
 // The wake-up of a waiter: the cancellation of its timer, posted to the waiter's own executor (its
 // strand, or the only I/O thread), so it runs after the waiter has issued its wait and is never
-// lost. The waits are bounded (1 s) only to guard an executor that runs handlers concurrently.
+// lost. (On an executor that ran handlers concurrently the cancel could race with the wait itself:
+// hence the strand requirement. The waits are still bounded, 1 s, as a second line of defence.)
 void wake(const std::shared_ptr<net::steady_timer>& timer) {
   net::post(timer->get_executor(), [timer] { timer->cancel(); });
 }
@@ -34,50 +35,66 @@ http::Task<void> wait_on(net::steady_timer& timer, Clock::time_point deadline) {
 
 struct AsyncMutex::Waiter {
   explicit Waiter(net::any_io_executor ex) : timer(std::make_shared<net::steady_timer>(std::move(ex))) {}
-  bool granted = false;  // under mu_
+  bool granted = false;  // under State::mu
   std::shared_ptr<net::steady_timer> timer;
 };
 
-AsyncMutex::AsyncMutex() = default;
+AsyncMutex::AsyncMutex() : st_(std::make_shared<State>()) {}
 AsyncMutex::~AsyncMutex() = default;
 
 http::Task<void> AsyncMutex::lock() {
+  std::shared_ptr<State> st = st_;  // this frame may outlive the AsyncMutex at shutdown
   auto ex = co_await net::this_coro::executor;
   std::shared_ptr<Waiter> w;
   {
-    std::lock_guard lk(mu_);
-    if (!held_) {
-      held_ = true;
+    std::lock_guard lk(st->mu);
+    if (!st->held) {
+      st->held = true;
       co_return;
     }
     w = std::make_shared<Waiter>(ex);
-    waiters_.push_back(w);
+    st->waiters.push_back(w);
   }
-  for (;;) {
-    {
-      std::lock_guard lk(mu_);
-      if (w->granted) co_return;
+  try {
+    for (;;) {
+      {
+        std::lock_guard lk(st->mu);
+        if (w->granted) co_return;
+      }
+      co_await wait_on(*w->timer, Clock::time_point::max());
     }
-    co_await wait_on(*w->timer, Clock::time_point::max());
+  } catch (...) {
+    // (An allocation failure in the wait.) Leave the queue, or pass on a lock granted meanwhile:
+    // a waiter that left must never be handed the lock.
+    bool granted;
+    {
+      std::lock_guard lk(st->mu);
+      granted = w->granted;
+      if (!granted) std::erase(st->waiters, w);
+    }
+    if (granted) unlock(*st);
+    throw;
   }
 }
 
 bool AsyncMutex::try_lock() {
-  std::lock_guard lk(mu_);
-  if (held_) return false;
-  held_ = true;
+  std::lock_guard lk(st_->mu);
+  if (st_->held) return false;
+  st_->held = true;
   return true;
 }
 
-void AsyncMutex::unlock() {
-  std::lock_guard lk(mu_);
-  if (waiters_.empty()) {
-    held_ = false;
+void AsyncMutex::unlock() { unlock(*st_); }
+
+void AsyncMutex::unlock(State& st) {
+  std::lock_guard lk(st.mu);
+  if (st.waiters.empty()) {
+    st.held = false;
     return;
   }
   // Handed over: the lock stays held, now by the oldest waiter.
-  std::shared_ptr<Waiter> w = std::move(waiters_.front());
-  waiters_.pop_front();
+  std::shared_ptr<Waiter> w = std::move(st.waiters.front());
+  st.waiters.pop_front();
   w->granted = true;
   wake(w->timer);
 }

@@ -15,7 +15,8 @@
 namespace lorasync::proxy {
 
 // A FIFO lock for coroutines (the fleet operations'). unlock() hands the lock to the oldest
-// waiter and wakes it; a waiter never polls.
+// waiter and wakes it; a waiter never polls. Waiters must run on a strand or on an io_context with
+// one thread (true of every coroutine of the proxy): the wake-up is posted there.
 class AsyncMutex {
  public:
   AsyncMutex();
@@ -28,20 +29,34 @@ class AsyncMutex {
   void unlock();
 
  private:
+  friend class AsyncMutexHeld;
   struct Waiter;
-  std::mutex mu_;
-  bool held_ = false;
-  std::deque<std::shared_ptr<Waiter>> waiters_;
+  // Shared with the coroutines that lock it and with AsyncMutexHeld: a frame that its io_context
+  // destroys at shutdown, after the AsyncMutex, still releases the lock safely.
+  struct State {
+    std::mutex mu;
+    bool held = false;
+    std::deque<std::shared_ptr<Waiter>> waiters;
+  };
+  static void unlock(State& st);
+  std::shared_ptr<State> st_;
 };
 
 // Releases an AsyncMutex at the end of the scope (after lock() or a successful try_lock()).
-struct AsyncMutexHeld {
-  AsyncMutex& m;
-  ~AsyncMutexHeld() { m.unlock(); }
+class AsyncMutexHeld {
+ public:
+  explicit AsyncMutexHeld(AsyncMutex& m) : st_(m.st_) {}
+  ~AsyncMutexHeld() { AsyncMutex::unlock(*st_); }
+  AsyncMutexHeld(const AsyncMutexHeld&) = delete;
+  AsyncMutexHeld& operator=(const AsyncMutexHeld&) = delete;
+
+ private:
+  std::shared_ptr<AsyncMutex::State> st_;
 };
 
 // Coroutines waiting for a condition that other code (any thread) makes true and then announces
-// with notify_all(). notify_all() costs one atomic load while nobody waits.
+// with notify_all(). notify_all() costs one atomic load while nobody waits. Waiters must run on a
+// strand or on an io_context with one thread, as for AsyncMutex.
 class Notifier {
  public:
   Notifier();

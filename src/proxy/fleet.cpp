@@ -633,8 +633,14 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
     // client traffic, the end of a re-sync).
     const ReplicaState seen = rep.get();
     Clock::time_point due = next_probe;
-    if (failed) due = Clock::now() + std::chrono::milliseconds(500);
-    else if (seen == ReplicaState::kSyncing) due = Clock::time_point::max();
+    if (failed) {
+      due = Clock::now() + std::chrono::milliseconds(500);
+    } else if (seen == ReplicaState::kSyncing) {
+      due = Clock::time_point::max();
+    } else if (seen == ReplicaState::kEjected) {  // ejected meanwhile: only this loop ends it
+      std::lock_guard lk(rep.mu);
+      due = rep.ejected_until;
+    }
     co_await state_change_or(r, seen, due);
   }
 }

@@ -624,7 +624,9 @@ void CachedTokensScanner::scan(std::string_view s) {
     if (rest.starts_with("prompt_tokens\"")) q += 14;
     else if (rest.starts_with("tokens\"")) q += 7;
     else continue;
-    while (q < end && (*q == ' ' || *q == ':')) ++q;
+    // At most 8 spaces and colons: the key, its separator and the longest count then fit in the
+    // carried tail, so a split body reads the same as the whole one.
+    for (int n = 0; n < 8 && q < end && (*q == ' ' || *q == ':'); ++n) ++q;
     std::uint64_t v = 0;
     const char* d = q;
     while (d < end && *d >= '0' && *d <= '9' && d - q < 19) v = v * 10 + static_cast<std::uint64_t>(*d++ - '0');
@@ -635,6 +637,7 @@ void CachedTokensScanner::scan(std::string_view s) {
 }
 
 void CachedTokensScanner::feed(std::string_view piece) {
+  if (piece.empty()) return;
   // A key or count cut by a piece boundary is found in the carried tail joined to what follows.
   // Everything found twice (in the join, then in the piece) is found in order, so the last one
   // found is still the last one in the body.

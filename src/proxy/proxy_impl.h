@@ -80,6 +80,13 @@ class Proxy::Impl {
   std::string api_key_digest;  // sha256_hex(cfg.api_key), once (empty: no key)
   Router router;
   Metrics metrics;
+  // Fleet data (under fleet_mu). Declared before the server: a fleet operation's coroutine frame
+  // that the io_context destroys at shutdown bumps fleet_epoch on its way out (EpochBump).
+  mutable std::mutex fleet_mu;
+  // Bumped by every fleet operation (load, unload, pause, ...) before it releases fleet_lock. A
+  // re-sync runs without the lock and commits only if no operation ran meanwhile (one that did
+  // skipped the syncing replica): otherwise it converges again.
+  std::uint64_t fleet_epoch = 0;
   // Declared before the replicas so their pooled sockets are closed while the io_context lives.
   std::unique_ptr<http::Server> server;
   std::vector<std::unique_ptr<Replica>> replicas;
@@ -87,16 +94,13 @@ class Proxy::Impl {
   std::atomic<std::uint64_t> retries{0}, client_aborts{0}, rejected{0};
   std::atomic<bool> stopping{false};
 
-  // Fleet state (under fleet_mu_ data lock; the async lock orders whole operations).
+  // Fleet state (under fleet_mu; the async lock orders whole operations). The lock's waiters hold
+  // timers of the io_context, so it is destroyed before the server; its state outlives it for
+  // the frames that still hold it.
   AsyncMutex fleet_lock;
-  mutable std::mutex fleet_mu;
   std::vector<RegisteredAdapter> registry;
   std::uint64_t next_seq = 0;
   std::optional<std::string> pause_target;  // path+query of the fleet pause intent
-  // Bumped by every fleet operation (load, unload, pause, ...) before it releases fleet_lock. A
-  // re-sync runs without the lock and commits only if no operation ran meanwhile (one that did
-  // skipped the syncing replica): otherwise it converges again.
-  std::uint64_t fleet_epoch = 0;
   // Announced when an adapter's last routed request in flight ends: an unload drains on it.
   Notifier adapter_idle;
   void finish_routed(std::string_view adapter, std::optional<std::uint64_t> cached_tokens) {

@@ -515,6 +515,19 @@ TEST(ProxyConformance, AHealthLoopSleepsWhileItsReplicaSyncs) {
   EXPECT_TRUE(eventually([&] { return state(1) == "in_service"; })) << "woken by the end of the re-sync";
 }
 
+// A replica ejected by its own failed probe is probed again when its cooldown ends, not at the
+// next probe interval (5 s here): cooldowns of 0.2, 0.4 and 0.8 s give four probes in 1.4 s.
+TEST(ProxyConformance, AnEjectedReplicaIsProbedAgainWhenItsCooldownEnds) {
+  Fleet f(2, [](ProxyConfig& c) {
+    c.probe_interval = 5;
+    c.eject_after = 1;
+  });
+  f.stubs[1]->health_status.store(503);
+  EXPECT_TRUE(eventually([&] { return f.count(1, "/health") >= 4; }, 4.0))
+      << f.count(1, "/health") << " probes: " << f.proxy->stats()["upstreams"][1].dump();
+  EXPECT_EQ(f.proxy->stats()["upstreams"][1]["state"], "ejected");
+}
+
 // A routed 404 for a registered adapter (the replica restarted and lost it) goes to another
 // replica, and the one that lost it is re-synced.
 TEST(ProxyConformance, RoutedNotFoundForARegisteredAdapterRetriesAndResyncs) {

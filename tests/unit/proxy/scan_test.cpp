@@ -282,8 +282,13 @@ TEST(CachedTokensScanner, ReadsEitherKeyAndTheLastCountWins) {
   // A count cut at the end of what has arrived is not taken until its delimiter arrives...
   EXPECT_EQ(cached_of({R"({"cached_tokens":12)"}), std::nullopt);
   EXPECT_EQ(cached_of({R"({"cached_tokens":12)", "34}"}), 1234u);
-  // ...and a run of digits too long for a count is no count.
+  // ...and a run of digits too long for a count is no count, nor one past more than 8 spaces
+  // and colons (whole or split: what is read must fit the tail carried between pieces).
   EXPECT_EQ(cached_of({R"({"cached_tokens":123456789012345678901})"}), std::nullopt);
+  const std::string spaced = R"({"cached_tokens":)" + std::string(50, ' ') + "7}";
+  EXPECT_EQ(cached_of({spaced}), std::nullopt);
+  EXPECT_EQ(cached_of({spaced.substr(0, 60), spaced.substr(60)}), std::nullopt);
+  EXPECT_EQ(cached_of({R"({"cached_tokens":)" + std::string(7, ' ') + "7}"}), 7u);
 }
 
 TEST(CachedTokensScanner, PropertySplitAnywhereGivesTheWholeBodysValue) {
@@ -298,8 +303,9 @@ TEST(CachedTokensScanner, PropertySplitAnywhereGivesTheWholeBodysValue) {
       body.append(rng() % 200, "x\",: {}"[rng() % 7]);
       const std::string& key = keys[rng() % keys.size()];
       const std::uint64_t v = rng() % 100000;
-      body += key + std::string(rng() % 3, ' ') + ":" + std::string(rng() % 2, ' ') + std::to_string(v) + ",";
-      if (key == keys[0] || key == keys[1]) expect = v;
+      const std::size_t before = rng() % 3, after = rng() % 2 ? rng() % 12 : 0;
+      body += key + std::string(before, ' ') + ":" + std::string(after, ' ') + std::to_string(v) + ",";
+      if ((key == keys[0] || key == keys[1]) && before + 1 + after <= 8) expect = v;
     }
     body += "}";
     ASSERT_EQ(cached_of({body}), expect) << body;
