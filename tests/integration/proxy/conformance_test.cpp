@@ -26,100 +26,13 @@
 #include "util/sha256.h"
 #include <set>
 #include "util/bench_report.h"
+#include "fleet_fixture.h"
 
 namespace lorasync::proxy {
 namespace {
 
-using nlohmann::json;
+using namespace fixture;
 
-struct Reply {
-  int status = 0;
-  http::Headers headers;
-  std::string body;
-  http::CallError error = http::CallError::kNone;
-  json j() const { return json::parse(body, nullptr, false); }
-};
-
-Reply call(std::uint16_t port, const std::string& method, const std::string& target, const std::string& body = "",
-           http::Headers h = {}, double timeout = 10) {
-  std::string err;
-  boost::asio::io_context ioc;  // outlives the pool (its sockets belong to it)
-  http::Pool pool(*http::Url::parse("http://127.0.0.1:" + std::to_string(port), err), http::ClientOptions{});
-  Reply r;
-  if (!h.has("content-type") && !body.empty()) h.add("Content-Type", "application/json");
-  boost::asio::co_spawn(ioc, [&]() -> http::Task<void> {
-    http::CallOptions o;
-    o.total_timeout_s = timeout;
-    auto f = co_await pool.fetch({method, target, &h, body}, o);
-    r.status = f.status;
-    r.headers = f.headers;
-    r.body = f.body;
-    r.error = f.error;
-  }, boost::asio::detached);
-  ioc.run();
-  return r;
-}
-
-std::string ids_prompt(const std::vector<int>& syms, const std::string& model = "m") {
-  std::string s = "{\"model\":\"" + model + "\",\"prompt\":[";
-  bool first = true;
-  for (int sym : syms)
-    for (int i = 0; i < 16; ++i) {
-      s += first ? "" : ",";
-      first = false;
-      s += std::to_string(sym);
-    }
-  return s + "],\"max_tokens\":4}";
-}
-
-struct Fleet {
-  std::vector<std::unique_ptr<bench::StubReplica>> stubs;
-  std::unique_ptr<Proxy> proxy;
-  explicit Fleet(int n, std::function<void(ProxyConfig&)> tweak = {}, std::function<void(bench::StubOptions&, int)> stub_tweak = {}) {
-    ProxyConfig c;
-    for (int i = 0; i < n; ++i) {
-      bench::StubOptions so;
-      so.index = i;
-      if (stub_tweak) stub_tweak(so, i);
-      stubs.push_back(std::make_unique<bench::StubReplica>(so));
-      stubs.back()->start();
-      c.upstreams.push_back(stubs.back()->url());
-    }
-    c.listen = "127.0.0.1:0";
-    c.upstream_token_env = "LORASYNC_TEST_TOKEN_UNSET";
-    c.stats_log_interval = 0;
-    c.probe_interval = 0.2;
-    c.probe_timeout = 1;
-    c.eject_cooldown = 0.2;
-    c.adapter_retry_interval = 0.05;
-    c.adapter_load_deadline = 5;
-    c.shutdown_grace = 1;
-    c.threads = 2;
-    if (tweak) tweak(c);
-    resolve_config(c);
-    cfg = c;
-    proxy = std::make_unique<Proxy>(c);
-    proxy->start();
-  }
-  ProxyConfig cfg;
-  // A proxy restart: the same replicas, a new proxy process (its registry starts empty).
-  void restart_proxy() {
-    proxy->stop();
-    proxy = std::make_unique<Proxy>(cfg);
-    proxy->start();
-  }
-  ~Fleet() {
-    proxy->stop();
-    for (auto& s : stubs) s->stop();
-  }
-  std::uint16_t port() const { return proxy->port(); }
-  int count(int stub, const std::string& path) const {
-    int n = 0;
-    for (const auto& c : stubs[static_cast<std::size_t>(stub)]->calls())
-      if (c.target == path) ++n;
-    return n;
-  }
-};
 
 TEST(ProxyConformance, IdenticalPromptsStickAndDistinctSpread) {
   Fleet f(2);
@@ -343,39 +256,6 @@ TEST(ProxyConformance, StreamingRelayAndRestartedReplicaResync) {
   EXPECT_GT(last_pause, last_load);
 }
 
-// Waits (bounded) until `done` holds; returns whether it did.
-bool eventually(const std::function<bool()>& done, double seconds = 10) {
-  for (int i = 0; i < static_cast<int>(seconds * 100); ++i) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return done();
-}
-
-// An unload waits for the adapter's requests in flight (--unload-drain-timeout) and is woken by
-// the end of the last one, not by a poll or the timeout.
-TEST(ProxyConformance, UnloadDrainsTheAdaptersRequestsAndEndsWhenTheLastOneDoes) {
-  Fleet f(1, [](ProxyConfig& c) { c.unload_drain_timeout = 8; });
-  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
-  f.stubs[0]->latency_s = 0.6;
-  std::atomic<double> generation_ended{0};
-  std::thread gen([&] {
-    EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1}, "policy-v1")).status, 200);
-    generation_ended = now_seconds();
-  });
-  ASSERT_TRUE(eventually([&] { return f.proxy->stats()["upstreams"][0]["inflight"].get<int>() == 1; }));
-  const double t0 = now_seconds();
-  auto r = call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"policy-v1"})");
-  const double unloaded = now_seconds();
-  gen.join();
-  EXPECT_EQ(r.status, 200) << r.body;
-  // The unload reached the replica only after the request had been answered...
-  ASSERT_GT(generation_ended.load(), 0);
-  EXPECT_GE(unloaded + 0.05, generation_ended.load());
-  EXPECT_TRUE(f.stubs[0]->loaded().empty());
-  // ...and right after it: far from the 8 s timeout (the request had at most 0.6 s left).
-  EXPECT_LT(unloaded - t0, 3.0);
-}
 
 // Adapter push (docs/http-api.md), two-phase across the fleet.
 std::string push_body(const std::string& name) {
@@ -490,42 +370,6 @@ TEST(ProxyConformance, AReSyncNeverHoldsTheFleetLockAndConvergesToLaterOperation
   EXPECT_TRUE(eventually([&] { return state(1) == "in_service"; }));
   EXPECT_EQ(f.stubs[1]->loaded(), (std::vector<std::string>{"policy-v1", "policy-v2"}))
       << "a replica returns to service only in the fleet's current state";
-}
-
-// While a replica syncs, its health loop sleeps until the re-sync ends (no probe is due, no tick):
-// the process stays idle, where a loop that re-checked without waiting would burn a core.
-TEST(ProxyConformance, AHealthLoopSleepsWhileItsReplicaSyncs) {
-  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.1; });
-  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
-  f.stubs[1]->load_delay_s = 3.0;
-  f.stubs[1]->forget_adapters();
-  auto state = [&](int r) { return f.proxy->stats()["upstreams"][r]["state"]; };
-  ASSERT_TRUE(eventually([&] { return state(1) == "syncing"; }));
-  auto cpu_s = [] {
-    rusage u{};
-    getrusage(RUSAGE_SELF, &u);
-    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
-  };
-  const double c0 = cpu_s(), t0 = now_seconds();
-  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
-  const double cpu = cpu_s() - c0, wall = now_seconds() - t0;
-  EXPECT_EQ(state(1), "syncing");
-  EXPECT_LT(cpu, 0.4 * wall) << "the proxy (and stubs) used " << cpu << " s of CPU in " << wall << " s while idle";
-  f.stubs[1]->load_delay_s = 0.0;
-  EXPECT_TRUE(eventually([&] { return state(1) == "in_service"; })) << "woken by the end of the re-sync";
-}
-
-// A replica ejected by its own failed probe is probed again when its cooldown ends, not at the
-// next probe interval (5 s here): cooldowns of 0.2, 0.4 and 0.8 s give four probes in 1.4 s.
-TEST(ProxyConformance, AnEjectedReplicaIsProbedAgainWhenItsCooldownEnds) {
-  Fleet f(2, [](ProxyConfig& c) {
-    c.probe_interval = 5;
-    c.eject_after = 1;
-  });
-  f.stubs[1]->health_status.store(503);
-  EXPECT_TRUE(eventually([&] { return f.count(1, "/health") >= 4; }, 4.0))
-      << f.count(1, "/health") << " probes: " << f.proxy->stats()["upstreams"][1].dump();
-  EXPECT_EQ(f.proxy->stats()["upstreams"][1]["state"], "ejected");
 }
 
 // A routed 404 for a registered adapter (the replica restarted and lost it) goes to another

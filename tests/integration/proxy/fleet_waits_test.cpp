@@ -1,0 +1,82 @@
+// The fleet's waits without polling (docs/proxy.md): an unload's drain, a replica's health loop
+// while it syncs and after an ejection. The proxy in process, in front of stub replicas.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "fleet_fixture.h"
+#include "util/bench_report.h"
+
+namespace lorasync::proxy {
+namespace {
+
+using namespace fixture;
+
+// An unload waits for the adapter's requests in flight (--unload-drain-timeout) and is woken by
+// the end of the last one, not by a poll or the timeout.
+TEST(ProxyConformance, UnloadDrainsTheAdaptersRequestsAndEndsWhenTheLastOneDoes) {
+  Fleet f(1, [](ProxyConfig& c) { c.unload_drain_timeout = 8; });
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
+  f.stubs[0]->latency_s = 0.6;
+  std::atomic<double> generation_ended{0};
+  std::thread gen([&] {
+    EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1}, "policy-v1")).status, 200);
+    generation_ended = now_seconds();
+  });
+  ASSERT_TRUE(eventually([&] { return f.proxy->stats()["upstreams"][0]["inflight"].get<int>() == 1; }));
+  const double t0 = now_seconds();
+  auto r = call(f.port(), "POST", "/v1/unload_lora_adapter", R"({"lora_name":"policy-v1"})");
+  const double unloaded = now_seconds();
+  gen.join();
+  EXPECT_EQ(r.status, 200) << r.body;
+  // The unload reached the replica only after the request had been answered...
+  ASSERT_GT(generation_ended.load(), 0);
+  EXPECT_GE(unloaded + 0.25, generation_ended.load());  // (the client may read its answer late)
+  EXPECT_GE(unloaded - t0, 0.3) << "the unload did not wait for the request (0.6 s at the replica)";
+  EXPECT_TRUE(f.stubs[0]->loaded().empty());
+  // ...and right after it: far from the 8 s timeout (the request had at most 0.6 s left).
+  EXPECT_LT(unloaded - t0, 3.0);
+}
+
+// While a replica syncs, its health loop sleeps until the re-sync ends (no probe is due, no tick):
+// the process stays idle, where a loop that re-checked without waiting would burn a core.
+TEST(ProxyConformance, AHealthLoopSleepsWhileItsReplicaSyncs) {
+  Fleet f(2, [](ProxyConfig& c) { c.reconcile_interval = 0.1; });
+  ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v1","lora_path":"/b/1"})").status, 200);
+  f.stubs[1]->load_delay_s = 3.0;
+  f.stubs[1]->forget_adapters();
+  auto state = [&](int r) { return f.proxy->stats()["upstreams"][r]["state"]; };
+  ASSERT_TRUE(eventually([&] { return state(1) == "syncing"; }));
+  auto cpu_s = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
+  const double c0 = cpu_s(), t0 = now_seconds();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  const double cpu = cpu_s() - c0, wall = now_seconds() - t0;
+  EXPECT_EQ(state(1), "syncing");
+  EXPECT_LT(cpu, 0.4 * wall) << "the proxy (and stubs) used " << cpu << " s of CPU in " << wall << " s while idle";
+  f.stubs[1]->load_delay_s = 0.0;
+  EXPECT_TRUE(eventually([&] { return state(1) == "in_service"; })) << "woken by the end of the re-sync";
+}
+
+// A replica ejected by its own failed probe is probed again when its cooldown ends, not at the
+// next probe interval (5 s here): cooldowns of 0.2, 0.4 and 0.8 s give four probes in 1.4 s.
+TEST(ProxyConformance, AnEjectedReplicaIsProbedAgainWhenItsCooldownEnds) {
+  Fleet f(2, [](ProxyConfig& c) {
+    c.probe_interval = 5;
+    c.eject_after = 1;
+  });
+  f.stubs[1]->health_status.store(503);
+  EXPECT_TRUE(eventually([&] { return f.count(1, "/health") >= 4; }, 4.0))
+      << f.count(1, "/health") << " probes: " << f.proxy->stats()["upstreams"][1].dump();
+  // (Ejected, or probing while a probe is on its way: never back in service.)
+  EXPECT_NE(f.proxy->stats()["upstreams"][1]["state"], "in_service");
+}
+
+}  // namespace
+}  // namespace lorasync::proxy
