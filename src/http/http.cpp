@@ -116,7 +116,7 @@ bool is_hop_by_hop(std::string_view n) {
                                                 "proxy-authenticate", "proxy-authorization", "te",
                                                 "trailer", "transfer-encoding", "upgrade"};
   for (std::string_view k : kNames)
-    if (n.size() == k.size() && iequals(n, k)) return true;
+    if (iequals(n, k)) return true;
   return false;
 }
 

@@ -15,29 +15,35 @@ namespace lorasync::proxy {
 namespace net = boost::asio;
 using Clock = std::chrono::steady_clock;
 
+namespace detail {
+
+struct Waiter {
+  explicit Waiter(net::any_io_executor ex) : timer(std::move(ex)) {}
+  bool granted = false;  // AsyncMutex's: under its State::mu
+  net::steady_timer timer;
+};
+
+}  // namespace detail
+
 namespace {
+
+using detail::Waiter;
 
 // The wake-up of a waiter: the cancellation of its timer, posted to the waiter's own executor (its
 // strand, or the only I/O thread), so it runs after the waiter has issued its wait and is never
 // lost. (On an executor that ran handlers concurrently the cancel could race with the wait itself:
 // hence the strand requirement. The waits are still bounded, 1 s, as a second line of defence.)
-void wake(const std::shared_ptr<net::steady_timer>& timer) {
-  net::post(timer->get_executor(), [timer] { timer->cancel(); });
+void wake(const std::shared_ptr<Waiter>& w) {
+  net::post(w->timer.get_executor(), [w] { w->timer.cancel(); });
 }
 
-http::Task<void> wait_on(net::steady_timer& timer, Clock::time_point deadline) {
-  timer.expires_at(std::min(deadline, Clock::now() + std::chrono::seconds(1)));
+http::Task<void> wait_on(Waiter& w, Clock::time_point deadline) {
+  w.timer.expires_at(std::min(deadline, Clock::now() + std::chrono::seconds(1)));
   boost::system::error_code ec;
-  co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
+  co_await w.timer.async_wait(net::redirect_error(net::use_awaitable, ec));
 }
 
 }  // namespace
-
-struct AsyncMutex::Waiter {
-  explicit Waiter(net::any_io_executor ex) : timer(std::make_shared<net::steady_timer>(std::move(ex))) {}
-  bool granted = false;  // under State::mu
-  std::shared_ptr<net::steady_timer> timer;
-};
 
 AsyncMutex::AsyncMutex() : st_(std::make_shared<State>()) {}
 AsyncMutex::~AsyncMutex() = default;
@@ -61,7 +67,7 @@ http::Task<void> AsyncMutex::lock() {
         std::lock_guard lk(st->mu);
         if (w->granted) co_return;
       }
-      co_await wait_on(*w->timer, Clock::time_point::max());
+      co_await wait_on(*w, Clock::time_point::max());
     }
   } catch (...) {
     // (An allocation failure in the wait.) Leave the queue, or pass on a lock granted meanwhile:
@@ -96,13 +102,8 @@ void AsyncMutex::unlock(State& st) {
   std::shared_ptr<Waiter> w = std::move(st.waiters.front());
   st.waiters.pop_front();
   w->granted = true;
-  wake(w->timer);
+  wake(w);
 }
-
-struct Notifier::Waiter {
-  explicit Waiter(net::any_io_executor ex) : timer(std::make_shared<net::steady_timer>(std::move(ex))) {}
-  std::shared_ptr<net::steady_timer> timer;
-};
 
 Notifier::Notifier() : st_(std::make_shared<State>()) {}
 Notifier::~Notifier() = default;
@@ -128,14 +129,14 @@ http::Task<bool> Notifier::wait_until(std::function<bool()> holds, Clock::time_p
   for (;;) {
     if (holds()) co_return true;
     if (Clock::now() >= deadline) co_return false;
-    co_await wait_on(*w->timer, deadline);
+    co_await wait_on(*w, deadline);
   }
 }
 
 void Notifier::notify_all() {
   if (st_->waiting.load() == 0) return;
   std::lock_guard lk(st_->mu);
-  for (const auto& w : st_->waiters) wake(w->timer);
+  for (const auto& w : st_->waiters) wake(w);
 }
 
 }  // namespace lorasync::proxy

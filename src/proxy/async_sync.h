@@ -14,6 +14,10 @@
 
 namespace lorasync::proxy {
 
+namespace detail {
+struct Waiter;  // a waiting coroutine's timer, cancelled on its executor to wake it (async_sync.cpp)
+}
+
 // A FIFO lock for coroutines (the fleet operations'). unlock() hands the lock to the oldest
 // waiter and wakes it; a waiter never polls. Waiters must run on a strand or on an io_context with
 // one thread (true of every coroutine of the proxy): the wake-up is posted there.
@@ -30,13 +34,12 @@ class AsyncMutex {
 
  private:
   friend class AsyncMutexHeld;
-  struct Waiter;
   // Shared with the coroutines that lock it and with AsyncMutexHeld: a frame that its io_context
   // destroys at shutdown, after the AsyncMutex, still releases the lock safely.
   struct State {
     std::mutex mu;
     bool held = false;
-    std::deque<std::shared_ptr<Waiter>> waiters;
+    std::deque<std::shared_ptr<detail::Waiter>> waiters;
   };
   static void unlock(State& st);
   std::shared_ptr<State> st_;
@@ -70,13 +73,12 @@ class Notifier {
   void notify_all();
 
  private:
-  struct Waiter;
   // Shared with the waiting coroutines: a frame that its io_context destroys at shutdown, after
   // the Notifier, still leaves the list safely.
   struct State {
     std::mutex mu;
     std::atomic<int> waiting{0};
-    std::vector<std::shared_ptr<Waiter>> waiters;
+    std::vector<std::shared_ptr<detail::Waiter>> waiters;
   };
   std::shared_ptr<State> st_;
 };

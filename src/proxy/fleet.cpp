@@ -630,17 +630,13 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
     }
     // Asleep until the next probe is due (after a failure: 0.5 s; while the replica syncs: until
     // the re-sync ends), woken early by any transition of the replica's state (an ejection seen on
-    // client traffic, the end of a re-sync).
+    // client traffic, the end of a re-sync). Ejected meanwhile (by its own probe): the top of the
+    // loop waits out the cooldown, as only this loop ends it.
     const ReplicaState seen = rep.get();
+    if (!failed && seen == ReplicaState::kEjected) continue;
     Clock::time_point due = next_probe;
-    if (failed) {
-      due = Clock::now() + std::chrono::milliseconds(500);
-    } else if (seen == ReplicaState::kSyncing) {
-      due = Clock::time_point::max();
-    } else if (seen == ReplicaState::kEjected) {  // ejected meanwhile: only this loop ends it
-      std::lock_guard lk(rep.mu);
-      due = rep.ejected_until;
-    }
+    if (failed) due = Clock::now() + std::chrono::milliseconds(500);
+    else if (seen == ReplicaState::kSyncing) due = Clock::time_point::max();
     co_await state_change_or(r, seen, due);
   }
 }
