@@ -16,6 +16,7 @@
 #include "util/error.h"
 #include "util/files.h"
 #include "util/log.h"
+#include "util/process.h"
 #include "util/strings.h"
 
 namespace lorasync::cli {
@@ -62,9 +63,7 @@ int run_child(const std::vector<std::string>& argv, const fs::path& log) {
 
 int run(const BenchE2eOptions& o) {
   TempDir tmp("lorasync-bench-e2e");
-  std::error_code ec;
-  const std::string self = fs::read_symlink("/proc/self/exe", ec).string();
-  if (ec) throw_env("bench e2e: cannot find its own executable: {}", ec.message());
+  const std::string self = lorasync_executable();
   BenchReporter rep;
   std::map<std::string, std::map<std::string, double>> by_transport;
   for (const auto& t : split(o.transports, ',')) {

@@ -445,6 +445,14 @@ int run(const BenchProxyOptions& o) {
       c4["reference_per_round"] = list(refs, reuse_of);
       c4["pts_over_reference_per_round"] = pts_over_reference(reuse_of);
       rep.emit({"proxy", "stub_prefill_reuse_vs_reference", mean(ours, reuse_of), "fraction", mean(refs, reuse_of), c4});
+      // Peak resident memory of each proxy process over its rounds (VmHWM; the table fills as the
+      // trace goes).
+      auto peak = [](const std::vector<Round>& rounds) {
+        double hwm = 0;
+        for (const auto& r : rounds) hwm = std::max(hwm, r.rss);
+        return hwm;
+      };
+      rep.emit({"proxy", "proxy_peak_rss_mb_vs_reference", peak(ours), "MiB", peak(refs), rc});
     }
     rep.emit({"proxy", "requests_per_s", med(ours, rps_of), "req/s", base.req_per_s, cfg});
     rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Round& r) { return r.run.p50_ms; }), "ms", base.p50_ms, cfg});

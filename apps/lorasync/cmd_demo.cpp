@@ -37,6 +37,7 @@
 #include "report/report.h"
 #include "util/error.h"
 #include "util/files.h"
+#include "util/process.h"
 
 namespace lorasync::cli {
 
@@ -50,12 +51,6 @@ std::atomic<int> g_signal{0};
 void on_signal(int s) { g_signal = s; }
 
 double now_s() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
-
-std::string self_exe() {
-  std::error_code ec;
-  auto p = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string("lorasync") : p.string();
-}
 
 std::string random_token() { return random_hex(16); }
 
@@ -251,7 +246,7 @@ int run_demo(const DemoOptions& o) {
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
   const double t_start = now_s();
-  const std::string exe = self_exe();
+  const std::string exe = lorasync_executable();  // the front: the proxy child then runs without libtorch
   const bool tty = ::isatty(2) != 0;
   auto say = [&](const std::string& s) {
     std::fprintf(stderr, "%s\n", s.c_str());

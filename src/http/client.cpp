@@ -16,6 +16,7 @@
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
 
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -422,8 +423,8 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
     const bool body_method = !rq.body.empty() || rq.method == "POST" || rq.method == "PUT" || rq.method == "PATCH";
     if (body_method) {
       char num[24];
-      const int n = std::snprintf(num, sizeof num, "%zu", rq.body.size());
-      head.append("Content-Length: ").append(num, static_cast<std::size_t>(n)).append("\r\n");
+      const auto end = std::to_chars(num, num + sizeof num, rq.body.size()).ptr;
+      head.append("Content-Length: ").append(num, static_cast<std::size_t>(end - num)).append("\r\n");
     }
     head.append("\r\n");
   };

@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
@@ -32,6 +33,21 @@ void configure_process() {
     rl.rlim_cur = std::min<rlim_t>(rl.rlim_max, 1 << 20);
     setrlimit(RLIMIT_NOFILE, &rl);  // best effort: the limit stays as it was on failure
   }
+}
+
+std::string lorasync_executable() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return "lorasync";
+  const std::string self(buf, static_cast<std::size_t>(n));
+  const auto slash = self.rfind('/');
+  const std::string dir = slash == std::string::npos ? std::string(".") : self.substr(0, slash);
+  const std::string name = slash == std::string::npos ? self : self.substr(slash + 1);
+  if (name == "lorasync-engine") {
+    const std::string front = dir + "/lorasync";
+    if (::access(front.c_str(), X_OK) == 0) return front;
+  }
+  return self;
 }
 
 std::size_t open_file_limit() {

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace lorasync {
 
@@ -13,6 +14,12 @@ namespace lorasync {
 // connection; Debian's default soft limit is 1024), and ignores SIGPIPE (a write to a closed
 // socket or pipe fails with EPIPE instead of ending the process).
 void configure_process();
+
+// The executable to start `lorasync <command>` children with: the `lorasync` front beside this
+// executable when this is lorasync-engine (the front runs the proxy without libtorch and execs the
+// engine for the rest), else this executable. "lorasync" (a PATH lookup) if /proc/self/exe is
+// unreadable.
+std::string lorasync_executable();
 
 // Descriptors this process may open (RLIMIT_NOFILE's soft limit; 1024 if unknown).
 std::size_t open_file_limit();
