@@ -1,6 +1,7 @@
 // The client side of src/http (the other Beast translation unit). Requests are framed by hand;
 // responses are parsed by Beast's response_parser<buffer_body>, which decodes chunked framing and
-// lets the caller relay each piece as soon as it is read.
+// lets the caller relay each piece as soon as it is read; its header fields come from an arena
+// in the call's state and are copied into recycled Headers (no allocation per field).
 #include <utility>
 
 #include <boost/asio/co_spawn.hpp>
@@ -16,12 +17,15 @@
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <tuple>
 
 #include "http/client.h"
 #include "util/error.h"
@@ -288,12 +292,78 @@ class Pool::Impl : public std::enable_shared_from_this<Pool::Impl> {
   }
 };
 
+namespace {
+
+// The header fields Beast's parser keeps for one response come from this arena, which lives with
+// the call's parser: they were one malloc each. Fields past its 1 KiB come from the heap.
+class FieldArena {
+ public:
+  void* allocate(std::size_t n, std::size_t align) {
+    const std::size_t at = (used_ + align - 1) & ~(align - 1);
+    if (align <= alignof(std::max_align_t) && at + n <= sizeof buf_) {
+      used_ = at + n;
+      return buf_ + at;
+    }
+    return ::operator new(n);
+  }
+  void deallocate(void* p) noexcept {
+    auto* b = static_cast<unsigned char*>(p);
+    if (b >= buf_ && b < buf_ + sizeof buf_) return;  // reclaimed with the arena
+    ::operator delete(p);
+  }
+
+ private:
+  alignas(std::max_align_t) unsigned char buf_[1024];
+  std::size_t used_ = 0;
+};
+
+template <typename T>
+struct ArenaAllocator {
+  using value_type = T;
+  FieldArena* arena;
+  explicit ArenaAllocator(FieldArena* a) noexcept : arena(a) {}
+  template <typename U>
+  ArenaAllocator(const ArenaAllocator<U>& o) noexcept : arena(o.arena) {}  // NOLINT: rebinding converts implicitly
+  T* allocate(std::size_t n) { return static_cast<T*>(arena->allocate(n * sizeof(T), alignof(T))); }
+  void deallocate(T* p, std::size_t) noexcept { arena->deallocate(p); }
+  template <typename U>
+  bool operator==(const ArenaAllocator<U>& o) const noexcept {
+    return arena == o.arena;
+  }
+};
+
+using ResponseParser = bhttp::response_parser<bhttp::buffer_body, ArenaAllocator<char>>;
+
+// Response heads are copied into Headers recycled per thread: their vectors and strings keep their
+// capacity, so the copy allocates nothing once warm (it was one allocation per field name or value
+// past 15 bytes, and the vector's growth).
+struct SpareHeaders {
+  std::vector<Headers> spare;
+  Headers take() {
+    if (spare.empty()) return {};
+    Headers h = std::move(spare.back());
+    spare.pop_back();
+    return h;
+  }
+  void give(Headers&& h) noexcept {
+    if (spare.size() >= 256) return;
+    try {
+      spare.push_back(std::move(h));
+    } catch (...) {  // out of memory: it is simply freed
+    }
+  }
+};
+thread_local SpareHeaders spare_headers;
+
+}  // namespace
+
 class ResponseStream::Impl {
  public:
   std::shared_ptr<Pool::Impl> pool;
   std::unique_ptr<Conn> conn;
-  std::unique_ptr<bhttp::response_parser<bhttp::buffer_body>> parser;
-  Headers headers;
+  FieldArena arena;                      // before the parser, which allocates from it
+  std::optional<ResponseParser> parser;  // in place: no allocation of its own
+  Headers headers = spare_headers.take();
   int status = 0;
   bool reused = false;
   bool finished = false;
@@ -301,7 +371,11 @@ class ResponseStream::Impl {
   Clock::time_point deadline;
   CancelSignal::Id cancel_id = 0;
 
-  ~Impl() { finish(false); }
+  ~Impl() {
+    finish(false);
+    parser.reset();
+    spare_headers.give(std::move(headers));
+  }
 
   void finish(bool reusable) {
     if (!conn) return;
@@ -415,11 +489,16 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
     head.clear();
     head.append(rq.method).append(" ").append(P->url.prefix).append(rq.target).append(" HTTP/1.1\r\nHost: ");
     head.append(P->url.host_header()).append("\r\n");
-    if (rq.headers)
+    if (rq.headers) {
+      const bool connection = rq.headers->has("connection");
       for (const auto& h : *rq.headers) {
         if (iequals(h.name, "host") || iequals(h.name, "content-length") || is_hop_by_hop(h.name)) continue;
+        if (std::any_of(rq.drop.begin(), rq.drop.end(), [&](std::string_view d) { return iequals(d, h.name); })) continue;
+        if (connection && listed_in_connection(*rq.headers, h.name)) continue;
         head.append(h.name).append(": ").append(h.value).append("\r\n");
       }
+    }
+    for (const auto& [name, value] : rq.extra) head.append(name).append(": ").append(value).append("\r\n");
     const bool body_method = !rq.body.empty() || rq.method == "POST" || rq.method == "PUT" || rq.method == "PATCH";
     if (body_method) {
       char num[24];
@@ -477,7 +556,8 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
     });
     // Interim 1xx answers (100 Continue, 103 Early Hints) are skipped: the final status follows.
     for (int interim = 0; !ec && interim < 8; ++interim) {
-      impl->parser = std::make_unique<bhttp::response_parser<bhttp::buffer_body>>();
+      impl->parser.emplace(std::piecewise_construct, std::make_tuple(),
+                           std::make_tuple(ArenaAllocator<char>(&impl->arena)));
       impl->parser->header_limit(1u << 20);
       impl->parser->body_limit(std::numeric_limits<std::uint64_t>::max());
       if (rq.method == "HEAD") impl->parser->skip(true);
@@ -509,7 +589,20 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
     }
     auto& msg = impl->parser->get();
     impl->status = static_cast<int>(msg.result_int());
-    for (const auto& f : msg) impl->headers.add(std::string(f.name_string()), std::string(f.value()));
+    auto& items = impl->headers.items();  // recycled: assigned in place
+    std::size_t k = 0;
+    for (const auto& f : msg) {
+      const std::string_view name(f.name_string().data(), f.name_string().size());
+      const std::string_view value(f.value().data(), f.value().size());
+      if (k < items.size()) {
+        items[k].name.assign(name);
+        items[k].value.assign(value);
+      } else {
+        items.push_back({std::string(name), std::string(value)});
+      }
+      ++k;
+    }
+    items.erase(items.begin() + static_cast<std::ptrdiff_t>(k), items.end());
     out.response = std::make_unique<ResponseStream>(std::move(impl));
     co_return out;
   }

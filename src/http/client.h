@@ -23,8 +23,10 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "http/async.h"
 #include "http/cancel.h"
@@ -68,9 +70,14 @@ bool is_timeout(CallError e);
 struct OutRequest {
   std::string_view method;
   std::string_view target;      // path + query; the pool's URL prefix is prepended
-  const Headers* headers = nullptr;  // sent as is (callers strip hop-by-hop; Host and
-                                     // Content-Length are set by the client)
+  // Sent without their hop-by-hop fields (those of RFC 9110 §7.6.1 and any a Connection field
+  // lists), Host and Content-Length (the client sets both) and the names in `drop`
+  // (case-insensitive); then `extra`. A proxy forwards the headers it received this way, without
+  // copying them.
+  const Headers* headers = nullptr;
   std::string_view body;
+  std::span<const std::string_view> drop = {};
+  std::span<const std::pair<std::string_view, std::string_view>> extra = {};
 };
 
 class ResponseStream {

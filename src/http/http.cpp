@@ -153,6 +153,23 @@ void strip_hop_by_hop(const Headers& in, Headers& out) {
   items.erase(items.begin() + static_cast<std::ptrdiff_t>(k), items.end());
 }
 
+bool listed_in_connection(const Headers& in, std::string_view name) {
+  for (const auto& h : in) {
+    if (!iequals(h.name, "connection")) continue;
+    std::string_view v = h.value;
+    while (!v.empty()) {
+      const auto c = v.find(',');
+      std::string_view tok = v.substr(0, c);
+      while (!tok.empty() && (tok.front() == ' ' || tok.front() == '\t')) tok.remove_prefix(1);
+      while (!tok.empty() && (tok.back() == ' ' || tok.back() == '\t')) tok.remove_suffix(1);
+      if (!tok.empty() && iequals(tok, name)) return true;
+      if (c == std::string_view::npos) break;
+      v.remove_prefix(c + 1);
+    }
+  }
+  return false;
+}
+
 Headers strip_hop_by_hop(const Headers& in) {
   Headers out;
   strip_hop_by_hop(in, out);

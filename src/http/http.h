@@ -79,6 +79,8 @@ Headers strip_hop_by_hop(const Headers& in);
 // The same into `out` (replacing its contents), reusing its strings' capacity: with an `out` kept
 // from call to call, copying a response's headers allocates nothing once the strings are large enough.
 void strip_hop_by_hop(const Headers& in, Headers& out);
+// Whether a Connection header of `in` lists `name` (case-insensitive): such a header is hop-by-hop.
+bool listed_in_connection(const Headers& in, std::string_view name);
 
 // http(s)://host[:port][/prefix]. No userinfo, query or fragment; trailing '/' dropped.
 struct Url {

@@ -78,6 +78,7 @@ class Proxy::Impl {
 
   ProxyConfig cfg;
   std::string api_key_digest;  // sha256_hex(cfg.api_key), once (empty: no key)
+  std::string upstream_authorization;  // "Bearer " + cfg.upstream_token, once (empty: no token; never logged)
   Router router;
   Metrics metrics;
   // Fleet data (under fleet_mu). Declared before the server: a fleet operation's coroutine frame

@@ -4,7 +4,8 @@
 // returns it to the pool); the timeouts: an idle body, a first-byte deadline shorter than the
 // last call's on the same connection (it must fire on time), a first-byte deadline that passes
 // while the body is awaited under a later idle one (it must not end the call), the total
-// timeout; a reused connection reset before the status line is retried once on a fresh one.
+// timeout; a reused connection reset before the status line is retried once on a fresh one; the
+// head of a forwarded request (hop-by-hop, dropped and framing fields left out, extra ones added).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -308,6 +309,69 @@ TEST(HttpClient, AReusedConnectionResetBeforeTheStatusIsRetriedOnceOnAFreshOne) 
   EXPECT_EQ(g2.body, "1");
   EXPECT_FALSE(g2.reused);
   EXPECT_EQ(up.accepted(), 2);
+}
+
+// A proxy forwards the headers it received without copying them: the head sent leaves out the
+// hop-by-hop fields (the fixed ones and those a Connection field lists), Host and Content-Length
+// of the given headers (the client writes its own) and the `drop` names in any case, then adds
+// `extra`.
+TEST(HttpClient, ForwardedHeadersLeaveOutHopByHopDroppedAndFramingFields) {
+  std::mutex mu;
+  std::string head;
+  Upstream up([&](int fd, int) {
+    std::string got;
+    char c;
+    while (got.size() < 4 || got.compare(got.size() - 4, 4, "\r\n\r\n") != 0) {
+      if (::recv(fd, &c, 1, 0) != 1) return;
+      got.push_back(c);
+    }
+    std::string body(4, '\0');
+    for (char& b : body)
+      if (::recv(fd, &b, 1, 0) != 1) return;
+    {
+      std::lock_guard lk(mu);
+      head = got + body;
+    }
+    send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+  });
+  Headers in;
+  in.add("Host", "client.example");
+  in.add("Content-Length", "999");
+  in.add("Connection", "keep-alive, X-Secret-Hop");
+  in.add("x-secret-hop", "1");
+  in.add("Keep-Alive", "timeout=5");
+  in.add("Authorization", "Bearer client-key");
+  in.add("X-Request-Id", "from-client");
+  in.add("Content-Type", "application/json");
+  in.add("X-Custom", "kept");
+  static constexpr std::string_view drop[] = {"authorization", "x-request-id"};
+  const std::pair<std::string_view, std::string_view> extra[] = {{"X-Request-Id", "rid-1"},
+                                                                 {"Authorization", "Bearer upstream"}};
+  boost::asio::io_context ioc;
+  Pool pool = make_pool(up);
+  Got g;
+  boost::asio::co_spawn(
+      ioc,
+      [&]() -> Task<void> {
+        auto r = co_await pool.call({"POST", "/v1/completions", &in, "body", drop, extra}, quick(5, 5, 10));
+        if (!r.ok()) {
+          g.error = r.error;
+          co_return;
+        }
+        g.error = co_await r.response->read_all(g.body);
+      },
+      boost::asio::detached);
+  ioc.run();
+  ASSERT_EQ(g.error, CallError::kNone) << call_error_name(g.error);
+  EXPECT_EQ(g.body, "ok");
+  std::lock_guard lk(mu);
+  const std::string expected_start = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:";
+  EXPECT_EQ(head.compare(0, expected_start.size(), expected_start), 0) << head;
+  const auto fields = head.substr(head.find("\r\n", expected_start.size()) + 2);
+  EXPECT_EQ(fields,
+            "Content-Type: application/json\r\nX-Custom: kept\r\nX-Request-Id: rid-1\r\n"
+            "Authorization: Bearer upstream\r\nContent-Length: 4\r\n\r\nbody")
+      << head;
 }
 
 }  // namespace
