@@ -34,6 +34,7 @@
 #include "proxy/block_table.h"
 #include "util/bench_report.h"
 #include "util/error.h"
+#include "util/process.h"
 #include "util/strings.h"
 
 namespace lorasync::cli {
@@ -84,6 +85,9 @@ struct Child {
 };
 
 Child spawn_proxy(const std::vector<std::string>& upstreams, int threads) {
+  // The front (`lorasync`), whose proxy runs without libtorch, also when this bench runs in the
+  // engine.
+  const std::string self = lorasync_executable();
   int fds[2];
   if (pipe(fds) != 0) throw_env("pipe failed");
   pid_t pid = fork();
@@ -100,12 +104,8 @@ Child spawn_proxy(const std::vector<std::string>& upstreams, int threads) {
     }
     // LORASYNC_BENCH_PROXY_WRAPPER (for profiling, docs/benchmarks.md): a command the proxy runs
     // under, split on spaces, e.g. "valgrind --tool=callgrind --instr-atstart=no".
-    std::string exe = "/proc/self/exe";
+    std::string exe = self;
     if (const char* w = std::getenv("LORASYNC_BENCH_PROXY_WRAPPER"); w != nullptr && *w != 0) {
-      char self[4096];
-      const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-      if (n <= 0) _exit(127);
-      self[n] = 0;
       std::vector<std::string> wrapped;
       for (const auto& part : split(w, ' '))
         if (!part.empty()) wrapped.emplace_back(part);

@@ -7,9 +7,7 @@
 #include <exception>
 
 #include "commands.h"
-#ifdef LORASYNC_FRONT
 #include "front.h"
-#endif
 #include "util/error.h"
 #include "util/log.h"
 #include "util/process.h"
@@ -18,6 +16,8 @@ int main(int argc, char** argv) {
   using namespace lorasync;
 #ifdef LORASYNC_FRONT
   if (!front::runs_here(argc, argv)) return front::exec_engine(argc, argv);
+#else
+  front::engine_started();
 #endif
   configure_process();
   log::init_stderr();

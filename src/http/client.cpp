@@ -21,10 +21,12 @@
 #include <charconv>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <tuple>
 
 #include "http/client.h"
@@ -299,18 +301,21 @@ namespace {
 class FieldArena {
  public:
   void* allocate(std::size_t n, std::size_t align) {
+    if (align > alignof(std::max_align_t)) throw std::bad_alloc();  // Beast asks for 8
     const std::size_t at = (used_ + align - 1) & ~(align - 1);
-    if (align <= alignof(std::max_align_t) && at + n <= sizeof buf_) {
+    if (at + n <= sizeof buf_) {
       used_ = at + n;
       return buf_ + at;
     }
     return ::operator new(n);
   }
   void deallocate(void* p) noexcept {
-    auto* b = static_cast<unsigned char*>(p);
-    if (b >= buf_ && b < buf_ + sizeof buf_) return;  // reclaimed with the arena
+    const auto a = reinterpret_cast<std::uintptr_t>(p), b = reinterpret_cast<std::uintptr_t>(buf_);
+    if (a >= b && a < b + sizeof buf_) return;  // reclaimed with the arena
     ::operator delete(p);
   }
+  // Only when nothing allocated from it is alive (before a new parser).
+  void reset() noexcept { used_ = 0; }
 
  private:
   alignas(std::max_align_t) unsigned char buf_[1024];
@@ -347,6 +352,10 @@ struct SpareHeaders {
   }
   void give(Headers&& h) noexcept {
     if (spare.size() >= 256) return;
+    // A large head (up to the 1 MiB header limit) is not kept for the life of the thread.
+    std::size_t bytes = h.items().capacity() * sizeof(Header);
+    for (const auto& f : h) bytes += f.name.capacity() + f.value.capacity();
+    if (bytes > 8192) return;
     try {
       spare.push_back(std::move(h));
     } catch (...) {  // out of memory: it is simply freed
@@ -556,6 +565,8 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
     });
     // Interim 1xx answers (100 Continue, 103 Early Hints) are skipped: the final status follows.
     for (int interim = 0; !ec && interim < 8; ++interim) {
+      impl->parser.reset();  // an interim answer's parser and its fields go first: the arena is reused
+      impl->arena.reset();
       impl->parser.emplace(std::piecewise_construct, std::make_tuple(),
                            std::make_tuple(ArenaAllocator<char>(&impl->arena)));
       impl->parser->header_limit(1u << 20);

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <fstream>
 #include <string>
+#include <string_view>
 
 namespace lorasync {
 
@@ -38,8 +39,11 @@ void configure_process() {
 std::string lorasync_executable() {
   char buf[4096];
   const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) return "lorasync";
-  const std::string self(buf, static_cast<std::size_t>(n));
+  if (n <= 0) return "/proc/self/exe";
+  std::string self(buf, static_cast<std::size_t>(n));
+  // An executable replaced on disk while it runs (a rebuild) reads "<path> (deleted)".
+  constexpr std::string_view kDeleted = " (deleted)";
+  if (self.size() > kDeleted.size() && self.ends_with(kDeleted)) self.resize(self.size() - kDeleted.size());
   const auto slash = self.rfind('/');
   const std::string dir = slash == std::string::npos ? std::string(".") : self.substr(0, slash);
   const std::string name = slash == std::string::npos ? self : self.substr(slash + 1);

@@ -17,8 +17,7 @@ void configure_process();
 
 // The executable to start `lorasync <command>` children with: the `lorasync` front beside this
 // executable when this is lorasync-engine (the front runs the proxy without libtorch and execs the
-// engine for the rest), else this executable. "lorasync" (a PATH lookup) if /proc/self/exe is
-// unreadable.
+// engine for the rest), else this executable; "/proc/self/exe" itself if that link is unreadable.
 std::string lorasync_executable();
 
 // Descriptors this process may open (RLIMIT_NOFILE's soft limit; 1024 if unknown).

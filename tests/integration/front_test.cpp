@@ -47,6 +47,11 @@ TEST(Front, PicksTheCommandsThatNeedNoLibtorch) {
   EXPECT_FALSE(front_runs({"--help"}));      // the engine's help lists every command
   EXPECT_FALSE(front_runs({"--version", "--help"}));
   EXPECT_FALSE(front_runs({"no-such-command"}));  // the engine names it unknown
+  EXPECT_FALSE(front_runs({"--log-level"}));       // the engine says the option lacks its value
+  EXPECT_FALSE(front_runs({"-h", "grade"}));       // help before the command: the engine's (the same)
+  EXPECT_FALSE(front_runs({"bench", "--help", "proxy"}));  // the engine's bench help lists every bench
+  EXPECT_TRUE(front_runs({"grade", "--help"}));    // the command's own help
+  EXPECT_TRUE(front_runs({"bench", "proxy", "--help"}));
 }
 
 std::string read_text(const std::string& path) {
@@ -87,6 +92,14 @@ TEST(Front, EngineCommandsRunInTheEngineWithTheirArgumentsIntact) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   for (const char* c : {"serve", "train", "demo", "proxy", "grade", "bench"})
     EXPECT_NE(r.out.find(std::string("  ") + c + " "), std::string::npos) << c << "\n" << r.out;
+}
+
+TEST(Front, AFrontStartedAsTheEngineStopsInsteadOfLooping) {
+  // LORASYNC_ENGINE naming the front itself: the front exec'd as the engine finds its own marker.
+  const std::string env = "LORASYNC_ENGINE=" + shell_quote(LORASYNC_BINARY) + " ";
+  auto r = run_command(env + "timeout 20 " + shell_quote(LORASYNC_BINARY) + " train --help");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("must be the engine"), std::string::npos) << r.err;
 }
 
 TEST(Front, AMissingEngineIsNamedAndFrontCommandsStillRun) {

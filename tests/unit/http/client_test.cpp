@@ -5,7 +5,8 @@
 // last call's on the same connection (it must fire on time), a first-byte deadline that passes
 // while the body is awaited under a later idle one (it must not end the call), the total
 // timeout; a reused connection reset before the status line is retried once on a fresh one; the
-// head of a forwarded request (hop-by-hop, dropped and framing fields left out, extra ones added).
+// head of a forwarded request (hop-by-hop, dropped and framing fields left out, extra ones added);
+// response heads larger than the parser's field arena, after an interim answer, then small ones.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -372,6 +373,55 @@ TEST(HttpClient, ForwardedHeadersLeaveOutHopByHopDroppedAndFramingFields) {
             "Content-Type: application/json\r\nX-Custom: kept\r\nX-Request-Id: rid-1\r\n"
             "Authorization: Bearer upstream\r\nContent-Length: 4\r\n\r\nbody")
       << head;
+}
+
+// Response heads: an interim 103 with a large field before the final answer, a final head past
+// the parser's 1 KiB field arena, then a small head on the same connection and thread (the
+// recycled Headers must hold exactly its fields, none left from the large one).
+TEST(HttpClient, ResponseHeadsLargeAndSmallArriveExactlyAfterAnInterimAnswer) {
+  std::string big_head = "HTTP/1.1 103 Early Hints\r\nLink: <" + std::string(1500, 'l') + ">\r\n\r\n" + "HTTP/1.1 200 OK\r\n";
+  std::vector<std::pair<std::string, std::string>> big_fields;
+  for (int i = 0; i < 40; ++i) {
+    big_fields.emplace_back("X-Field-" + std::to_string(i), std::string(40, static_cast<char>('a' + i % 26)));
+    big_head += big_fields.back().first + ": " + big_fields.back().second + "\r\n";
+  }
+  big_head += "Content-Length: 2\r\n\r\nok";
+  big_fields.emplace_back("Content-Length", "2");
+  Upstream up([&](int fd, int) {
+    if (!read_request(fd)) return;
+    send_all(fd, big_head);
+    if (!read_request(fd)) return;
+    send_all(fd, "HTTP/1.1 201 Created\r\nX-A: 1\r\nContent-Length: 3\r\n\r\nabc");
+    wait_for_close(fd);
+  });
+  boost::asio::io_context ioc;
+  Pool pool = make_pool(up);
+  auto head_of = [&](std::vector<std::pair<std::string, std::string>>& fields, std::string& body) {
+    int status = 0;
+    boost::asio::co_spawn(
+        ioc,
+        [&]() -> Task<void> {
+          auto r = co_await pool.call({"GET", "/x", nullptr, ""}, quick(5, 5, 10));
+          if (!r.ok()) co_return;
+          status = r.response->status();
+          for (const auto& h : r.response->headers()) fields.emplace_back(h.name, h.value);
+          co_await r.response->read_all(body);
+        },
+        boost::asio::detached);
+    ioc.run();
+    ioc.restart();
+    return status;
+  };
+  std::vector<std::pair<std::string, std::string>> f1, f2;
+  std::string b1, b2;
+  EXPECT_EQ(head_of(f1, b1), 200);
+  EXPECT_EQ(f1, big_fields);
+  EXPECT_EQ(b1, "ok");
+  EXPECT_EQ(head_of(f2, b2), 201);
+  const std::vector<std::pair<std::string, std::string>> small = {{"X-A", "1"}, {"Content-Length", "3"}};
+  EXPECT_EQ(f2, small);
+  EXPECT_EQ(b2, "abc");
+  EXPECT_EQ(up.accepted(), 1);
 }
 
 }  // namespace
