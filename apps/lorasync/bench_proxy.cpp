@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <filesystem>
+#include <array>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -231,6 +232,12 @@ RunResult drive(const std::vector<std::string>& urls, const std::vector<bench::T
   }
   std::atomic<std::size_t> next{0}, errors{0};
   std::vector<double> added(trace.size(), 0);
+  // LORASYNC_BENCH_PROXY_PICKS=PREFIX (diagnosis of routing, docs/benchmarks.md): each run through a
+  // proxy writes PREFIX.N, a line per request: trace index, prompt, the order it was sent in, the
+  // order its answer came back in, and the replica the proxy picked (X-Proxy-Upstream).
+  const char* picks_prefix = std::getenv("LORASYNC_BENCH_PROXY_PICKS");
+  std::vector<std::array<std::int64_t, 3>> picks(picks_prefix ? trace.size() : 0, {-1, -1, -1});
+  std::atomic<std::int64_t> sent{0}, answered{0};
   http::Headers h;
   h.add("Content-Type", "application/json");
   const double t0 = now_seconds();
@@ -241,8 +248,13 @@ RunResult drive(const std::vector<std::string>& urls, const std::vector<bench::T
         if (i >= trace.size()) co_return;
         auto& pool = *pools[i % pools.size()];
         double s = now_seconds();
+        if (!picks.empty()) picks[i][0] = sent.fetch_add(1);
         auto f = co_await pool.fetch({"POST", "/v1/completions", &h, trace[i].body}, http::CallOptions{}, 1 << 20);
         double lat = now_seconds() - s;
+        if (!picks.empty()) {
+          picks[i][1] = answered.fetch_add(1);
+          if (const auto* v = f.headers.find("X-Proxy-Upstream")) picks[i][2] = std::stoll(*v);
+        }
         if (f.error != http::CallError::kNone || f.status != 200) {
           ++errors;
           continue;
@@ -256,6 +268,12 @@ RunResult drive(const std::vector<std::string>& urls, const std::vector<bench::T
   for (int t = 1; t < client_threads; ++t) ts.emplace_back([&] { ioc.run(); });
   ioc.run();
   for (auto& t : ts) t.join();
+  if (!picks.empty() && urls.size() == 1) {
+    static int run_no = 0;
+    std::ofstream out(std::string(picks_prefix) + "." + std::to_string(run_no++));
+    for (std::size_t i = 0; i < trace.size(); ++i)
+      out << i << ' ' << trace[i].prompt_index << ' ' << picks[i][0] << ' ' << picks[i][1] << ' ' << picks[i][2] << '\n';
+  }
   RunResult r;
   double dt = now_seconds() - t0;
   r.n = trace.size();

@@ -6,7 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <map>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "util/files.h"
 #include "util/jsonl.h"
@@ -93,10 +96,12 @@ async def handle(request):
     if request.path == "/v1/completions":
         stats["routed"] += 1
         stats["unmatched"] += 1
-    url = ups[next(turn) % len(ups)] + request.path_qs
+    pick = next(turn) % len(ups)
+    url = ups[pick] + request.path_qs
     async with request.app["session"].request(request.method, url, data=body or None,
                                                headers={"Content-Type": "application/json"}) as r:
-        return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+        return web.Response(status=r.status, body=await r.read(), content_type="application/json",
+                            headers={"X-Proxy-Upstream": str(pick)})
 
 async def session(app):
     app["session"] = ClientSession()
@@ -160,6 +165,55 @@ TEST(BenchCli, ProxyAgainstAReferenceSplitsItsCpuAndComparesTheStubsPrefillReuse
       EXPECT_NEAR(user[who][i].get<double>() + sys[who][i].get<double>(), total[who][i].get<double>(), 1e-9) << who;
     }
   }
+}
+
+// LORASYNC_BENCH_PROXY_PICKS: one file per run through a proxy (ours, then the reference), a line
+// per request with the order it was sent and answered in and the replica picked. At 4 concurrent
+// ours keeps each prompt's 8 rollouts on one replica; the round robin stand-in splits prompts.
+TEST(BenchCli, ProxyPicksAreRecordedPerRequestForOursAndTheReference) {
+  TempDir tmp("bench-proxy-picks");
+  const auto script = tmp.path() / "round_robin_proxy.py";
+  { std::ofstream(script) << kRoundRobinProxy; }
+  const std::string prefix = (tmp.path() / "picks").string();
+  auto r = testing::run_command("LORASYNC_BENCH_PROXY_PICKS=" + testing::shell_quote(prefix) + " " +
+                                testing::shell_quote(LORASYNC_BINARY) + " bench proxy --concurrency 4 --prompts 12 " +
+                                "--rounds 1 --reference " + testing::shell_quote(script.string()) + " --python " +
+                                testing::shell_quote(LORASYNC_PYTHON));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  constexpr int kRequests = 12 * 8;
+  int split_prompts[2] = {0, 0};  // ours, the reference
+  for (int run = 0; run < 2; ++run) {
+    std::ifstream f(prefix + "." + std::to_string(run));
+    ASSERT_TRUE(f.good()) << "no " << prefix << "." << run;
+    std::vector<int> seen_index(kRequests, 0), seen_sent(kRequests, 0), seen_answered(kRequests, 0);
+    std::map<int, std::set<int>> replicas_of_prompt;
+    int lines = 0;
+    long index, prompt, sent, answered, pick;
+    while (f >> index >> prompt >> sent >> answered >> pick) {
+      ++lines;
+      ASSERT_GE(index, 0);
+      ASSERT_LT(index, kRequests);
+      ASSERT_GE(sent, 0);
+      ASSERT_LT(sent, kRequests);
+      ASSERT_GE(answered, 0);
+      ASSERT_LT(answered, kRequests);
+      ++seen_index[index];
+      ++seen_sent[sent];
+      ++seen_answered[answered];
+      EXPECT_TRUE(pick == 0 || pick == 1) << "run " << run << ": pick " << pick;
+      replicas_of_prompt[static_cast<int>(prompt)].insert(static_cast<int>(pick));
+    }
+    EXPECT_EQ(lines, kRequests) << "run " << run;
+    for (int i = 0; i < kRequests; ++i) {  // each a permutation of the requests
+      EXPECT_EQ(seen_index[i], 1);
+      EXPECT_EQ(seen_sent[i], 1);
+      EXPECT_EQ(seen_answered[i], 1);
+    }
+    EXPECT_EQ(replicas_of_prompt.size(), 12u);
+    for (const auto& [p, reps] : replicas_of_prompt) split_prompts[run] += reps.size() > 1;
+  }
+  EXPECT_EQ(split_prompts[0], 0);  // ours: every prompt on one replica
+  EXPECT_GT(split_prompts[1], 0);  // the round robin splits them
 }
 
 }  // namespace
