@@ -19,10 +19,10 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
-#include <array>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
