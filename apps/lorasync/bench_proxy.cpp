@@ -46,6 +46,8 @@ struct BenchProxyOptions {
   std::string concurrency = "32,128,384";
   int prompts = 1024;  // x G = 8: 8,192 requests per point
   double stub_latency = 0;   // zero-service-time stubs by default
+  double stub_latency_spread = 0;  // each completion uniform in latency x [1 - s, 1 + s]
+  int stub_nice = 0;               // the stubs' threads' nice value (0: unchanged)
   int proxy_threads = 1;
   int client_threads = 1;
   // The HF Python proxy (lora_proxy.py of AmineDiro/hfjobs-lora-buckets), fetched by the user
@@ -353,6 +355,8 @@ int run(const BenchProxyOptions& o) {
     int conc = std::stoi(std::string(trim(cs)));
     bench::StubOptions so;
     so.latency_s = o.stub_latency;
+    so.latency_spread = o.stub_latency_spread;
+    so.nice = o.stub_nice;
     so.threads = 1;
     bench::StubReplica s0(so), s1([&] { auto x = so; x.index = 1; return x; }());
     s0.start();
@@ -362,6 +366,9 @@ int run(const BenchProxyOptions& o) {
     auto trace = bench::make_grpo_trace(to);
     // Baseline: direct to the stubs.
     RunResult base = drive({s0.url(), s1.url()}, trace, conc, o.client_threads);
+    if (o.stub_nice != 0 && (s0.nice_applied() != 1 || s1.nice_applied() != 1))
+      throw_env("bench proxy: --stub-nice {}: the stubs' threads could not take it (a value below 0 needs CAP_SYS_NICE)",
+                o.stub_nice);
     // Rounds: ours then the reference, each from cold stub caches, `rounds` times (the VM's noise
     // moves single figures by tens of per cent; the medians and the per-round pairs are reported).
     std::vector<Round> ours, refs;
@@ -401,6 +408,8 @@ int run(const BenchProxyOptions& o) {
     std::size_t errors = 0;
     for (const auto& r : ours) errors += r.run.errors;
     nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
+                          {"stub_latency_spread", o.stub_latency_spread},
+                          {"stub_nice", o.stub_nice},
                           {"proxy_threads", o.proxy_threads}, {"errors", errors}, {"baseline", "direct to stubs"},
                           {"rounds", R}};
     // The per-round figures read for both proxies.
@@ -513,7 +522,16 @@ void register_bench_proxy(CLI::App& bench, Registry& reg) {
   auto* sub = bench.add_subcommand("proxy", "the proxy in front of stub replicas on a GRPO trace");
   sub->add_option("--concurrency", o->concurrency, "comma list")->capture_default_str();
   sub->add_option("--prompts", o->prompts, "GRPO prompts (x G=8 requests)")->capture_default_str();
-  sub->add_option("--stub-latency", o->stub_latency, "stub service time, s")->capture_default_str();
+  sub->add_option("--stub-latency", o->stub_latency, "stub service time, s")->capture_default_str()->check(CLI::Range(0.0, 3600.0));
+  sub->add_option("--stub-latency-spread", o->stub_latency_spread,
+                  "each completion's service time uniform in latency x [1 - S, 1 + S] (generation lengths vary; 0: fixed)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  sub->add_option("--stub-nice", o->stub_nice,
+                  "the stub replicas' threads' nice value, e.g. -10 so that they answer when asked, as replicas on their "
+                  "own machines would (below 0 needs CAP_SYS_NICE; 0: unchanged)")
+      ->capture_default_str()
+      ->check(CLI::Range(-20, 19));
   sub->add_option("--proxy-threads", o->proxy_threads)->capture_default_str();
   sub->add_option("--client-threads", o->client_threads)->capture_default_str();
   sub->add_option("--reference", o->reference,

@@ -101,11 +101,15 @@ void register_proxy(CLI::App& root, Registry& reg) {
   st->add_option("--port", so->port)->capture_default_str();
   st->add_option("--index", so->index)->capture_default_str();
   st->add_option("--latency", so->latency_s, "seconds per completion")->capture_default_str();
+  st->add_option("--latency-spread", so->latency_spread, "each completion uniform in latency x [1 - S, 1 + S]")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   st->add_option("--no-adapter-found-first", so->no_adapter_found_first)->capture_default_str();
   st->add_option("--load-fail-status", so->load_fail_status)->capture_default_str();
   auto load_delay = std::make_shared<double>(0.0);
   st->add_option("--load-delay", *load_delay, "seconds before a load answers")->capture_default_str();
   st->add_option("--threads", so->threads)->capture_default_str();
+  st->add_option("--nice", so->nice, "the server threads' nice value (0: unchanged)")->capture_default_str()->check(CLI::Range(-20, 19));
   reg.add(st, [so, load_delay] {
     block_signals();
     bench::StubReplica stub(*so);

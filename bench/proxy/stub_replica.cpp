@@ -2,10 +2,14 @@
 
 #include <utility>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <cerrno>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
@@ -27,6 +31,18 @@ http::Task<void> nap(double s) {
   co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
 }
 }  // namespace
+
+double service_time_factor(std::uint64_t seed, int index, std::uint64_t draw, double spread) {
+  if (spread <= 0) return 1.0;
+  // splitmix64 of (seed, index, draw): a uniform in [0, 1) without a shared generator or its lock.
+  std::uint64_t z = seed * 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(index) * 0xD1B54A32D192ED03ull;
+  z += (draw + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const double u = static_cast<double>(z >> 11) * 0x1.0p-53;
+  return 1.0 + spread * (2.0 * u - 1.0);
+}
 
 StubReplica::StubReplica(StubOptions o) : opts_(std::move(o)) {
   latency_s.store(opts_.latency_s);
@@ -71,6 +87,16 @@ void StubReplica::forget_adapters() {
 }
 
 http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w) {
+  if (opts_.nice != 0) {
+    // Each server thread sets its own nice value at its first request (Linux: per thread).
+    thread_local const StubReplica* niced = nullptr;
+    if (niced != this) {
+      niced = this;
+      errno = 0;
+      const bool ok = ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), opts_.nice) == 0;
+      nice_applied_.store(ok ? 1 : -1);
+    }
+  }
   const auto t0 = Clock::now();
   const std::string path(req.path());
   {
@@ -146,7 +172,10 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
         co_return;
       }
     }
-    double service = latency_s.load() + opts_.prefill_s_per_1k * static_cast<double>(prompt - cached) / 1000.0;
+    double service = latency_s.load();
+    if (opts_.latency_spread > 0)
+      service *= service_time_factor(opts_.seed, opts_.index, draws_.fetch_add(1), opts_.latency_spread);
+    service += opts_.prefill_s_per_1k * static_cast<double>(prompt - cached) / 1000.0;
     const bool stream = req.body.find("\"stream\":true") != std::string::npos || req.body.find("\"stream\": true") != std::string::npos;
     nlohmann::json usage = {{"prompt_tokens", prompt}, {"completion_tokens", 1}, {"total_tokens", prompt + 1},
                             {"cached_prompt_tokens", cached}};

@@ -29,6 +29,16 @@ struct StubOptions {
   std::uint16_t port = 0;
   int threads = 1;
   double latency_s = 0;           // service time of a completion
+  // Each completion's service time drawn uniformly from latency_s x [1 - spread, 1 + spread]
+  // (0: every completion takes latency_s). Generation lengths vary; with a fixed service time a
+  // closed-loop client replays each wave of requests in the previous wave's exact order.
+  double latency_spread = 0;
+  std::uint64_t seed = 1;          // of the spread's draws (a counter hashed with it and index)
+  // The server threads' nice value (Linux, per thread; each sets it at its first request), 0:
+  // unchanged. The stubs stand for replicas on their own machines; on a 2-core host they compete
+  // with the proxy and the load generator for CPU, and a replica thread that waits for its turn
+  // answers in a burst afterwards. Below 0 needs CAP_SYS_NICE (see nice_applied()).
+  int nice = 0;
   double prefill_s_per_1k = 0;    // extra service time per 1k uncached prompt tokens
   int no_adapter_found_first = 0; // first K load tries answer 404 No adapter found
   int load_fail_status = 0;       // != 0: every load answers this status
@@ -42,6 +52,10 @@ struct StubCall {
   int headers_authorization = 0;  // how many Authorization headers arrived
   std::vector<std::string> header_names;
 };
+
+// The factor on latency_s of a completion's service time: uniform in [1 - spread, 1 + spread],
+// a pure function of (seed, index, draw) (1 when spread is 0).
+double service_time_factor(std::uint64_t seed, int index, std::uint64_t draw, double spread);
 
 class StubReplica {
  public:
@@ -76,6 +90,8 @@ class StubReplica {
   std::uint64_t completions() const { return completions_.load(); }
   int open_completions() const { return open_completions_.load(); }
   std::uint64_t client_gone_seen() const { return client_gone_.load(); }
+  // StubOptions::nice: 0 not tried yet (or nice 0), 1 set, -1 refused (no CAP_SYS_NICE for a value below 0).
+  int nice_applied() const { return nice_applied_.load(); }
 
  private:
   http::Task<void> handle(http::Request& req, http::ResponseWriter& w);
@@ -91,6 +107,8 @@ class StubReplica {
   std::atomic<bool> paused_{false};
   std::atomic<std::uint64_t> prompt_tokens_{0}, cached_tokens_{0}, completions_{0}, client_gone_{0};
   std::atomic<int> open_completions_{0};
+  std::atomic<std::uint64_t> draws_{0};  // service-time draws so far (latency_spread)
+  std::atomic<int> nice_applied_{0};
 };
 
 }  // namespace lorasync::bench
