@@ -9,7 +9,6 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
-#include <cerrno>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
@@ -92,7 +91,6 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
     thread_local const StubReplica* niced = nullptr;
     if (niced != this) {
       niced = this;
-      errno = 0;
       const bool ok = ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), opts_.nice) == 0;
       nice_applied_.store(ok ? 1 : -1);
     }
