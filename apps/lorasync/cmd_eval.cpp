@@ -40,6 +40,7 @@
 #include "util/error.h"
 #include "util/files.h"
 #include "util/log.h"
+#include "util/random.h"
 
 namespace lorasync::cli {
 
@@ -64,20 +65,13 @@ struct EvalCmdOptions {
   int concurrency = 32;               // server mode: requests in flight
 };
 
-// splitmix64's finaliser: a well-mixed 64-bit value of x.
-std::uint64_t mix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 // Seeds of one problem (server mode: the request's seed) and of one sample (in-process). Kept to
 // 63 bits: servers parse the seed as a signed integer.
 std::uint64_t problem_seed(std::uint64_t seed, std::int64_t index) {
-  return mix64(mix64(seed) ^ static_cast<std::uint64_t>(index)) >> 1;
+  return splitmix64(splitmix64(seed) ^ static_cast<std::uint64_t>(index)) >> 1;
 }
 std::uint64_t sample_seed(std::uint64_t seed, std::int64_t index, std::int64_t sample) {
-  return mix64(problem_seed(seed, index) ^ mix64(static_cast<std::uint64_t>(sample))) >> 1;
+  return splitmix64(problem_seed(seed, index) ^ splitmix64(static_cast<std::uint64_t>(sample))) >> 1;
 }
 
 // Running totals, and a progress line on stderr at most every 5 s (and at the end). Grades each

@@ -15,6 +15,7 @@
 #include "core/io/adapter_manifest.h"
 #include "proxy/prompt_scan.h"
 #include "util/error.h"
+#include "util/random.h"
 
 namespace lorasync::bench {
 
@@ -33,13 +34,9 @@ http::Task<void> nap(double s) {
 
 double service_time_factor(std::uint64_t seed, int index, std::uint64_t draw, double spread) {
   if (spread <= 0) return 1.0;
-  // splitmix64 of (seed, index, draw): a uniform in [0, 1) without a shared generator or its lock.
-  std::uint64_t z = seed * 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(index) * 0xD1B54A32D192ED03ull;
-  z += (draw + 1) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  const double u = static_cast<double>(z >> 11) * 0x1.0p-53;
+  // Draw `draw` of a SplitMix64 stream per (seed, index): no shared generator, no lock.
+  const std::uint64_t stream = seed * kSplitMixGamma ^ static_cast<std::uint64_t>(index) * 0xd1b54a32d192ed03ull;
+  const double u = unit_interval(splitmix64(stream + draw * kSplitMixGamma));
   return 1.0 + spread * (2.0 * u - 1.0);
 }
 

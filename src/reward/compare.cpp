@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "util/random.h"
+
 namespace lorasync::reward {
 namespace {
 
@@ -26,15 +28,10 @@ struct Term {
 };
 using Combo = std::vector<Term>;
 
-std::uint64_t splitmix64(std::uint64_t& state) {
-  std::uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
+// The next draw of a SplitMix64 generator whose state is `state` (advanced by one step).
 double uniform(std::uint64_t& state, double lo, double hi) {
-  double u = static_cast<double>(splitmix64(state) >> 11) * 0x1.0p-53;
+  const double u = unit_interval(splitmix64(state));
+  state += kSplitMixGamma;
   return lo + (hi - lo) * u;
 }
 

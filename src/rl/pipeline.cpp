@@ -28,6 +28,7 @@
 #include "rl/scoring.h"
 #include "util/error.h"
 #include "util/log.h"
+#include "util/random.h"
 
 namespace lorasync::rl {
 

@@ -177,10 +177,9 @@ class Pipeline {
 
 // Per-epoch permutation of n prompt positions seeded by (seed, epoch); identity without shuffle.
 std::vector<std::int64_t> epoch_permutation(std::int64_t n, std::int64_t seed, std::int64_t epoch, bool shuffle);
-// SplitMix64: the counter-based generator behind every random choice of the trainer (the epoch
-// permutations, request seeds). The trainer keeps no generator state: each choice is a pure
-// function of (seed, epoch, prompt, attempt), so a checkpoint's seed and cursor restore them all.
-std::uint64_t splitmix64(std::uint64_t x);
+// Every random choice of the trainer (the epoch permutations, request seeds) is a pure function of
+// (seed, epoch, prompt, attempt) through splitmix64 (util/random.h): the trainer keeps no generator
+// state, so a checkpoint's seed and cursor restore them all.
 // Parses "<prefix>-v<N>"; nullopt when the name does not match.
 std::optional<std::int64_t> parse_version_name(const std::string& name, const std::string& prefix);
 

@@ -3,15 +3,9 @@
 #include <limits>
 
 #include "rl/pipeline.h"
+#include "util/random.h"
 
 namespace lorasync::rl {
-
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 double Group::mean_reward() const {
   double s = 0;
