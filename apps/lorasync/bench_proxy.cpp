@@ -1,5 +1,6 @@
 // `lorasync bench proxy`: the proxy (a child `lorasync proxy` process, one thread) in front of two
-// in-process stub replicas, driven by a GRPO-shaped trace at 32/128/384 concurrent requests.
+// in-process stub replicas (one thread serving both, by default: bench::StubFleet), driven by a
+// GRPO-shaped trace at 32/128/384 concurrent requests.
 // Baseline (same run): the same load sent directly to the stubs (round robin). Reports req/s,
 // proxy-added latency p50/p99 (client latency minus the stub's reported service time; over the
 // requests after each worker's first, with the p99 of all of them reported too), proxy CPU
@@ -48,6 +49,7 @@ struct BenchProxyOptions {
   double stub_latency = 0;   // zero-service-time stubs by default
   double stub_latency_spread = 0;  // each completion uniform in latency x [1 - s, 1 + s]
   int stub_nice = 0;               // the stubs' threads' nice value (0: unchanged)
+  std::string stub_threads = "shared";  // shared: one thread serves both stubs; per-replica: one each
   int proxy_threads = 1;
   int client_threads = 1;
   // The HF Python proxy (lora_proxy.py of AmineDiro/hfjobs-lora-buckets), fetched by the user
@@ -358,9 +360,9 @@ int run(const BenchProxyOptions& o) {
     so.latency_spread = o.stub_latency_spread;
     so.nice = o.stub_nice;
     so.threads = 1;
-    bench::StubReplica s0(so), s1([&] { auto x = so; x.index = 1; return x; }());
-    s0.start();
-    s1.start();
+    bench::StubFleet stubs(so, 2, o.stub_threads == "shared");
+    stubs.start();
+    bench::StubReplica &s0 = stubs[0], &s1 = stubs[1];
     bench::TraceOptions to;
     to.prompts = o.prompts;
     auto trace = bench::make_grpo_trace(to);
@@ -409,7 +411,7 @@ int run(const BenchProxyOptions& o) {
     for (const auto& r : ours) errors += r.run.errors;
     nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
                           {"stub_latency_spread", o.stub_latency_spread},
-                          {"stub_nice", o.stub_nice},
+                          {"stub_nice", o.stub_nice}, {"stub_threads", o.stub_threads},
                           {"proxy_threads", o.proxy_threads}, {"errors", errors}, {"baseline", "direct to stubs"},
                           {"rounds", R}};
     // The per-round figures read for both proxies.
@@ -508,8 +510,7 @@ int run(const BenchProxyOptions& o) {
                 std::nullopt, c2});
     }
     rep.emit({"proxy", "stub_prefill_reuse", mean(ours, reuse_of), "fraction", std::nullopt, cfg});
-    s0.stop();
-    s1.stop();
+    stubs.stop();
   }
   rep.print_table();
   return 0;
@@ -532,6 +533,12 @@ void register_bench_proxy(CLI::App& bench, Registry& reg) {
                   "own machines would (below 0 needs CAP_SYS_NICE; 0: unchanged)")
       ->capture_default_str()
       ->check(CLI::Range(-20, 19));
+  sub->add_option("--stub-threads", o->stub_threads,
+                  "shared: one thread serves both stub replicas, so that their answers leave in the order their "
+                  "service times end, as from machines of their own; per-replica: a thread each, ordered by the "
+                  "host's scheduler when the cores are busy")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"shared", "per-replica"}));
   sub->add_option("--proxy-threads", o->proxy_threads)->capture_default_str();
   sub->add_option("--client-threads", o->client_threads)->capture_default_str();
   sub->add_option("--reference", o->reference,

@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <boost/asio/io_context.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
@@ -40,13 +41,14 @@ double service_time_factor(std::uint64_t seed, int index, std::uint64_t draw, do
   return 1.0 + spread * (2.0 * u - 1.0);
 }
 
-StubReplica::StubReplica(StubOptions o) : opts_(std::move(o)) {
+StubReplica::StubReplica(StubOptions o, net::io_context* io) : opts_(std::move(o)) {
   latency_s.store(opts_.latency_s);
   load_fail_status.store(opts_.load_fail_status);
   http::ServerOptions so;
   so.host = opts_.host;
   so.port = opts_.port;
-  so.threads = opts_.threads;
+  so.threads = io ? 1 : opts_.threads;
+  so.io = io;
   server_ = std::make_unique<http::Server>(so, [this](http::Request& r, http::ResponseWriter& w) { return handle(r, w); });
 }
 
@@ -57,6 +59,41 @@ void StubReplica::stop() {
 }
 std::uint16_t StubReplica::port() const { return server_->port(); }
 std::string StubReplica::url() const { return "http://127.0.0.1:" + std::to_string(port()); }
+
+StubFleet::StubFleet(const StubOptions& o, int n, bool one_thread)
+    : io_(one_thread ? std::make_unique<net::io_context>(1) : nullptr) {
+  for (int i = 0; i < n; ++i) {
+    StubOptions x = o;
+    x.index = i;
+    stubs_.push_back(std::make_unique<StubReplica>(std::move(x), io_.get()));
+  }
+}
+
+StubFleet::~StubFleet() {
+  stop();
+  io_.reset();  // its pending handlers go before the replicas they refer to
+}
+
+void StubFleet::start() {
+  if (started_) return;
+  started_ = true;
+  for (auto& s : stubs_) s->start();  // their accepts keep io_ busy once the thread runs
+  if (io_) thread_ = std::thread([io = io_.get()] { io->run(); });
+}
+
+void StubFleet::stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  for (auto& s : stubs_) s->stop();  // while the thread still serves them
+  if (io_) io_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::vector<std::string> StubFleet::urls() const {
+  std::vector<std::string> u;
+  for (const auto& s : stubs_) u.push_back(s->url());
+  return u;
+}
 
 std::vector<StubCall> StubReplica::calls() const {
   std::lock_guard lk(mu_);

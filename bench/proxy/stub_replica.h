@@ -16,6 +16,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "http/server.h"
@@ -59,7 +60,8 @@ double service_time_factor(std::uint64_t seed, int index, std::uint64_t draw, do
 
 class StubReplica {
  public:
-  explicit StubReplica(StubOptions o);
+  // `io` not null: served on that io_context (StubFleet's thread), not on a thread of its own.
+  explicit StubReplica(StubOptions o, boost::asio::io_context* io = nullptr);
   ~StubReplica();
   void start();
   void stop();
@@ -109,6 +111,37 @@ class StubReplica {
   std::atomic<int> open_completions_{0};
   std::atomic<std::uint64_t> draws_{0};  // service-time draws so far (latency_spread)
   std::atomic<int> nice_applied_{0};
+};
+
+// Replicas served by one thread between them (http::ServerOptions::io), so that their answers
+// leave in the order their service times end, as replicas on machines of their own would send
+// them. With a thread per replica on a host with fewer free cores than busy threads (2 cores here,
+// shared with the proxy and the load generator), the scheduler decides the order instead: one
+// replica's thread waits for a core while the other's sends a whole wave of answers, and a proxy
+// fast enough to act on each answer at once sees one replica drain while the other stays full
+// (docs/proxy.md, "What interleaving does to the unmatched share").
+// Thread-safety: start() and stop() from one thread; the replicas' members as StubReplica's.
+class StubFleet {
+ public:
+  // `n` replicas with `o`'s options, replica i with index i; `one_thread` false: each on threads
+  // of its own (StubOptions::threads), as separate StubReplicas.
+  StubFleet(const StubOptions& o, int n, bool one_thread = true);
+  ~StubFleet();
+  StubFleet(const StubFleet&) = delete;
+  StubFleet& operator=(const StubFleet&) = delete;
+  void start();
+  void stop();  // idempotent
+  std::size_t size() const { return stubs_.size(); }
+  StubReplica& operator[](std::size_t i) { return *stubs_.at(i); }
+  std::vector<std::string> urls() const;
+
+ private:
+  // Destroyed (stopped and joined first) before the replicas: its pending handlers refer to them.
+  // Null without one_thread.
+  std::unique_ptr<boost::asio::io_context> io_;
+  std::vector<std::unique_ptr<StubReplica>> stubs_;
+  std::thread thread_;
+  bool started_ = false, stopped_ = false;
 };
 
 }  // namespace lorasync::bench

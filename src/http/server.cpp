@@ -28,9 +28,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "http/parse.h"
@@ -276,12 +278,16 @@ class Server::Impl {
   Impl(ServerOptions o, Handler h)
       : opts(std::move(o)),
         handler(std::move(h)),
-        ioc(opts.threads <= 1 ? 1 : BOOST_ASIO_CONCURRENCY_HINT_DEFAULT),
-        work(net::make_work_guard(ioc)) {}
+        ioc(opts.io ? *opts.io : own_ioc.emplace(opts.threads <= 1 ? 1 : BOOST_ASIO_CONCURRENCY_HINT_DEFAULT)),
+        work(net::make_work_guard(ioc)) {
+    if (opts.io && opts.threads != 1)
+      throw Error(ErrorKind::kInvalidInput, "a server on the caller's io_context has one thread (threads = 1)");
+  }
 
   ServerOptions opts;
   Handler handler;
-  net::io_context ioc;
+  std::optional<net::io_context> own_ioc;  // unless opts.io
+  net::io_context& ioc;
   net::executor_work_guard<net::io_context::executor_type> work;
   std::optional<tcp::acceptor> acceptor;
   std::vector<std::thread> threads;
@@ -667,7 +673,8 @@ void Server::start() {
       std::chrono::duration<double>(std::clamp(shortest / 8, 0.005, 0.25)));
   net::co_spawn(I.ioc, I.accept_loop(), net::detached);
   net::co_spawn(net::make_strand(I.ioc), I.sweep_loop(), net::detached);
-  int n = std::max(1, I.opts.threads);
+  // On the caller's io_context, the caller's thread runs it.
+  const int n = I.opts.io ? 0 : std::max(1, I.opts.threads);
   for (int i = 0; i < n; ++i)
     I.threads.emplace_back([&I] {
       try {
@@ -708,10 +715,23 @@ void Server::stop(double grace_s) {
     I.stop_started = true;
   }
   I.stopping.store(true);
-  net::post(I.ioc, [&I] {
-    error_code ec;
-    if (I.acceptor) I.acceptor->close(ec);
-  });
+  if (I.opts.io && I.acceptor) {
+    // On the caller's io_context, which outlives nothing of ours: the acceptor goes now, on the
+    // io_context's thread (which must still run it), not after that io_context is destroyed.
+    std::promise<void> gone;
+    net::post(I.ioc, [&I, &gone] {
+      error_code ec;
+      I.acceptor->close(ec);
+      I.acceptor.reset();
+      gone.set_value();
+    });
+    gone.get_future().wait();
+  } else {
+    net::post(I.ioc, [&I] {
+      error_code ec;
+      if (I.acceptor) I.acceptor->close(ec);
+    });
+  }
   // Idle keep-alive connections stay open while in-flight requests finish: a request that
   // arrives on one now is answered 503 (Connection: close, Retry-After) instead of meeting a close
   // that races with it and looks like a failed replica. All close when the grace period ends.
@@ -719,9 +739,26 @@ void Server::stop(double grace_s) {
     std::unique_lock lk(I.mu);
     I.cv.wait_for(lk, std::chrono::duration<double>(grace_s), [&] { return I.active.load() == 0; });
   }
-  I.for_each_session([](std::shared_ptr<Session> s) { net::post(s->sock.get_executor(), [s] { s->close(); }); });
+  // Every connection is closed before the io_context stops (a close posted and not yet run when it
+  // stops would leave the peer waiting until the server is destroyed). Bounded, should the
+  // io_context not be running (a caller's, against ServerOptions::io's contract).
+  auto pending = std::make_shared<std::atomic<int>>(0);
+  I.for_each_session([&I, &pending](std::shared_ptr<Session> s) {
+    pending->fetch_add(1);
+    net::post(s->sock.get_executor(), [s, pending, &I] {
+      s->close();
+      if (pending->fetch_sub(1) == 1) {
+        std::lock_guard lk(I.mu);
+        I.cv.notify_all();
+      }
+    });
+  });
+  {
+    std::unique_lock lk(I.mu);
+    I.cv.wait_for(lk, std::chrono::seconds(1), [&] { return pending->load() == 0; });
+  }
   I.work.reset();
-  I.ioc.stop();
+  if (!I.opts.io) I.ioc.stop();  // else the caller's, which other servers may share
   for (auto& t : I.threads)
     if (t.joinable()) t.join();
   I.threads.clear();

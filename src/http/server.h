@@ -16,6 +16,8 @@
 // peer closing (also before any response byte) and fires ResponseWriter::client_gone().
 // Shutdown: stop() closes the acceptor and idle connections, lets running requests finish (their
 // connections then close) for up to `grace` seconds, then closes everything and joins the threads.
+// A server may instead run on an io_context of the caller's (ServerOptions::io), shared with other
+// servers on one thread.
 // Thread-safety: Server members are thread-safe; a ResponseWriter belongs to its handler call.
 #pragma once
 
@@ -42,6 +44,12 @@ struct ServerOptions {
   std::string host = "127.0.0.1";                // listen address
   std::uint16_t port = 0;                        // 0: any free port (see Server::port())
   int threads = 1;                               // io_context threads
+  // Not null: the server runs on this io_context instead of its own. The caller runs it on one
+  // thread (`threads` must be 1), calls stop() while that thread still runs it, then stops it,
+  // joins the thread and destroys the io_context before destroying the Server (its pending
+  // handlers refer to the server). Several servers then share one thread, which serves their
+  // events in the order they come (bench::StubFleet).
+  boost::asio::io_context* io = nullptr;
   std::size_t max_header_bytes = 64 * 1024;      // 431 beyond
   std::uint64_t max_body_bytes = 64ull << 20;    // 413 beyond
   // Paths (no query) whose body limit is another (an adapter push: larger than any JSON body).

@@ -4,12 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <cstdlib>
 #include <set>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fleet_fixture.h"
@@ -82,6 +85,29 @@ TEST(StubLatency, CompletionsTakeTheirDrawnServiceTimes) {
 // StubOptions::nice: the thread that served a request runs at that nice value afterwards (read
 // back from /proc/self/task/*/stat, field 19), and the stub says it took it. A positive value
 // needs no privilege.
+// Threads of this process at nice `value` (from /proc/self/task/*/stat, field 19).
+int threads_at_nice(const std::string& value) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream f(e.path() / "stat");
+    std::string line;
+    std::getline(f, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));  // from field 3 (state) on
+    std::string field;
+    for (int i = 3; i <= 19 && rest >> field; ++i)
+      if (i == 19 && field == value) ++n;
+  }
+  return n;
+}
+
+int thread_count() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
 TEST(StubLatency, TheStubsThreadsTakeTheirNiceValue) {
   auto niced_threads = [] {
     int n = 0;
@@ -108,6 +134,66 @@ TEST(StubLatency, TheStubsThreadsTakeTheirNiceValue) {
   EXPECT_EQ(stub.nice_applied(), 1);
   EXPECT_EQ(niced_threads(), before + 1) << "one server thread, now at nice 7";
   stub.stop();
+}
+
+// StubFleet (`bench proxy --stub-threads`): with one thread, that thread serves both replicas (one
+// more thread in the process; after a request to each, exactly one thread at the stubs' nice value,
+// and both stubs say they took it), and answers leave in the order their service times end; with a
+// thread per replica, two. Both stop cleanly with a completion still waiting.
+TEST(StubFleet, OneThreadServesEveryReplica) {
+  for (bool one_thread : {true, false}) {
+    SCOPED_TRACE(one_thread ? "one thread" : "a thread per replica");
+    StubOptions so;
+    so.nice = 9;
+    so.latency_s = 0.05;
+    const int before = thread_count(), niced_before = threads_at_nice("9");
+    StubFleet fleet(so, 2, one_thread);
+    ASSERT_EQ(fleet.size(), 2u);
+    fleet.start();
+    EXPECT_EQ(thread_count(), before + (one_thread ? 1 : 2));
+    for (std::size_t i = 0; i < 2; ++i) {
+      auto r = call(fleet[i].port(), "POST", "/v1/completions", ids_prompt({static_cast<int>(i) + 1}));
+      ASSERT_EQ(r.status, 200) << r.body;
+      const auto* idx = r.headers.find("X-Stub-Index");
+      ASSERT_NE(idx, nullptr);
+      EXPECT_EQ(*idx, std::to_string(i));
+      EXPECT_EQ(fleet[i].nice_applied(), 1);
+      EXPECT_EQ(fleet[i].completions(), 1u);
+    }
+    EXPECT_EQ(threads_at_nice("9"), niced_before + (one_thread ? 1 : 2));
+    const auto urls = fleet.urls();
+    ASSERT_EQ(urls.size(), 2u);
+    EXPECT_NE(urls[0], urls[1]);
+    // Replica 1's completion is asked first with the longer service time; replica 0's, asked
+    // later, ends first and is answered first.
+    fleet[1].latency_s.store(0.4);
+    fleet[0].latency_s.store(0.1);
+    std::mutex mu;
+    std::vector<int> order;
+    std::thread late([&] {
+      ASSERT_EQ(call(fleet[1].port(), "POST", "/v1/completions", ids_prompt({7})).status, 200);
+      std::lock_guard lk(mu);
+      order.push_back(1);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_EQ(call(fleet[0].port(), "POST", "/v1/completions", ids_prompt({8})).status, 200);
+    {
+      std::lock_guard lk(mu);
+      order.push_back(0);
+    }
+    late.join();
+    EXPECT_EQ(order, (std::vector<int>{0, 1}));
+    // A completion still waiting when the fleet stops: its connection closes, nothing hangs.
+    fleet[0].latency_s.store(30);
+    std::thread held([&] { EXPECT_NE(call(fleet[0].port(), "POST", "/v1/completions", ids_prompt({9})).status, 200); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto t0 = std::chrono::steady_clock::now();
+    fleet.stop();
+    held.join();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+    fleet.stop();  // idempotent
+  }
+  StubFleet never_started(StubOptions{}, 2);  // goes without start()
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 // while the handler runs; a client that leaves mid-request is noticed (client_gone) at once;
 // pipelined requests are all answered; a head that never ends gets 408 from the timeout sweeper.
 // With one I/O thread (connections on the io_context's executor) and with two (a strand each).
+// Servers on the caller's io_context (ServerOptions::io) share its one thread and stop cleanly
+// with a request in flight.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -11,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <boost/asio/io_context.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
@@ -18,10 +21,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "http/server.h"
+#include "util/error.h"
 
 namespace lorasync::http {
 namespace {
@@ -206,6 +213,75 @@ TEST(HttpServer, AHeadThatNeverEndsGets408FromTheSweeper) {
   EXPECT_EQ(got.rfind("HTTP/1.1 408", 0), 0u) << got;
   EXPECT_GE(took, 0.25);
   EXPECT_LT(took, 3.0);  // the timeout plus a tick and the linger, not more
+}
+
+// Two servers on one io_context of the caller's: the caller's thread runs every handler of both;
+// stop() with a request in flight closes its connection after the grace, while that thread still
+// runs; then the io_context goes before the servers, as ServerOptions::io asks.
+TEST(HttpServer, ServersOnTheCallersIoContextShareItsThreadAndStopWithARequestInFlight) {
+  namespace net = boost::asio;
+  auto io = std::make_unique<net::io_context>(1);
+  std::mutex mu;
+  std::vector<std::thread::id> ran_on;
+  // /held waits 30 s; anything else is answered at once.
+  auto make = [&] {
+    ServerOptions o;
+    o.io = io.get();
+    return std::make_unique<Server>(o, [&](Request& req, ResponseWriter& w) -> Task<void> {
+      {
+        std::lock_guard lk(mu);
+        ran_on.push_back(std::this_thread::get_id());
+      }
+      const double delay_s = req.path() == "/held" ? 30 : 0;
+      net::steady_timer t(co_await net::this_coro::executor,
+                          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(delay_s)));
+      boost::system::error_code ec;
+      co_await t.async_wait(net::redirect_error(net::use_awaitable, ec));
+      co_await w.send(json_response(200, "{\"path\":\"" + std::string(req.path()) + "\"}"));
+    });
+  };
+  auto fast = make(), slow = make();
+  fast->start();
+  slow->start();
+  std::thread runner([&] { io->run(); });
+  const auto runner_id = runner.get_id();
+  for (auto* srv : {fast.get(), slow.get()}) {
+    const int fd = connect_to(srv->port());
+    const std::string req = "GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+    bool closed = false;
+    const std::string got = read_until_close(fd, 5, closed);
+    ::close(fd);
+    EXPECT_EQ(got.rfind("HTTP/1.1 200", 0), 0u) << got;
+  }
+  const int held = request_in_flight(slow->port(), "/held");
+  const auto t0 = Clock::now();
+  fast->stop(0.2);
+  slow->stop(0.2);  // /held's handler waits 30 s: closed after the grace
+  bool closed = false;
+  const std::string got = read_until_close(held, 5, closed);
+  ::close(held);
+  EXPECT_TRUE(closed);
+  EXPECT_EQ(got.find("HTTP/1.1 200"), std::string::npos) << got;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 3.0);
+  io->stop();
+  runner.join();
+  {
+    std::lock_guard lk(mu);
+    ASSERT_EQ(ran_on.size(), 3u);
+    for (const auto& id : ran_on) EXPECT_EQ(id, runner_id);
+  }
+  io.reset();  // before the servers: its pending handlers (the held request's) refer to them
+  slow.reset();
+  fast.reset();
+}
+
+TEST(HttpServer, AServerOnTheCallersIoContextHasOneThread) {
+  boost::asio::io_context io(1);
+  ServerOptions o;
+  o.io = &io;
+  o.threads = 2;
+  EXPECT_THROW(Server(o, [](Request&, ResponseWriter&) -> Task<void> { co_return; }), Error);
 }
 
 }  // namespace
