@@ -170,24 +170,31 @@ TEST(BenchCli, ProxyAgainstAReferenceSplitsItsCpuAndComparesTheStubsPrefillReuse
 // LORASYNC_BENCH_PROXY_PICKS: one file per run through a proxy (ours, then the reference), a line
 // per request with the order it was sent and answered in and the replica picked. At 4 concurrent
 // ours keeps each prompt's 8 rollouts on one replica; the round robin stand-in splits prompts.
-// The stubs' service-time spread and nice value are taken and recorded with every proxy row; a
-// spread outside [0, 1] is refused with the option named.
+// The stubs' service-time spread, nice value and threads (one shared by default, or one per
+// replica) are taken and recorded with every proxy row; a spread outside [0, 1] and an unknown
+// threads mode are refused with the option named.
 TEST(BenchCli, ProxyStubSpreadAndNiceAreTakenAndRecorded) {
-  auto r = run_lorasync("bench proxy --concurrency 4 --prompts 4 --stub-latency 0.02 --stub-latency-spread 0.5 "
-                        "--stub-nice 5");
-  ASSERT_EQ(r.exit_code, 0) << r.err;
-  int rows = 0;
-  for (const auto& rec : parse_jsonl(r.out)) {
-    if (rec["metric"] != "unmatched_fraction" && rec["metric"] != "added_latency_p99_ms") continue;
-    ++rows;
-    EXPECT_EQ(rec["config"]["stub_latency_spread"], 0.5) << rec.dump();
-    EXPECT_EQ(rec["config"]["stub_nice"], 5) << rec.dump();
-    EXPECT_EQ(rec["config"]["errors"], 0) << rec.dump();
+  for (const std::string threads : {"", "per-replica"}) {
+    auto r = run_lorasync("bench proxy --concurrency 4 --prompts 4 --stub-latency 0.02 --stub-latency-spread 0.5 "
+                          "--stub-nice 5" + (threads.empty() ? std::string() : " --stub-threads " + threads));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    int rows = 0;
+    for (const auto& rec : parse_jsonl(r.out)) {
+      if (rec["metric"] != "unmatched_fraction" && rec["metric"] != "added_latency_p99_ms") continue;
+      ++rows;
+      EXPECT_EQ(rec["config"]["stub_latency_spread"], 0.5) << rec.dump();
+      EXPECT_EQ(rec["config"]["stub_nice"], 5) << rec.dump();
+      EXPECT_EQ(rec["config"]["stub_threads"], threads.empty() ? "shared" : threads) << rec.dump();
+      EXPECT_EQ(rec["config"]["errors"], 0) << rec.dump();
+    }
+    EXPECT_EQ(rows, 2) << r.out;
   }
-  EXPECT_EQ(rows, 2) << r.out;
   auto bad = run_lorasync("bench proxy --concurrency 4 --prompts 4 --stub-latency-spread 1.5");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--stub-latency-spread"), std::string::npos) << bad.err;
+  bad = run_lorasync("bench proxy --concurrency 4 --prompts 4 --stub-threads two");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--stub-threads"), std::string::npos) << bad.err;
 }
 
 TEST(BenchCli, ProxyPicksAreRecordedPerRequestForOursAndTheReference) {
