@@ -109,22 +109,7 @@ int thread_count() {
 }
 
 TEST(StubLatency, TheStubsThreadsTakeTheirNiceValue) {
-  auto niced_threads = [] {
-    int n = 0;
-    for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
-      std::ifstream f(e.path() / "stat");
-      std::string line;
-      std::getline(f, line);
-      const auto close = line.rfind(')');
-      if (close == std::string::npos) continue;
-      std::istringstream rest(line.substr(close + 2));  // from field 3 (state) on
-      std::string field;
-      for (int i = 3; i <= 19 && rest >> field; ++i)
-        if (i == 19 && field == "7") ++n;
-    }
-    return n;
-  };
-  const int before = niced_threads();
+  const int before = threads_at_nice("7");
   StubOptions so;
   so.nice = 7;
   StubReplica stub(so);
@@ -132,7 +117,7 @@ TEST(StubLatency, TheStubsThreadsTakeTheirNiceValue) {
   EXPECT_EQ(stub.nice_applied(), 0);
   ASSERT_EQ(call(stub.port(), "POST", "/v1/completions", ids_prompt({1})).status, 200);
   EXPECT_EQ(stub.nice_applied(), 1);
-  EXPECT_EQ(niced_threads(), before + 1) << "one server thread, now at nice 7";
+  EXPECT_EQ(threads_at_nice("7"), before + 1) << "one server thread, now at nice 7";
   stub.stop();
 }
 
