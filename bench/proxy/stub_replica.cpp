@@ -121,13 +121,12 @@ void StubReplica::forget_adapters() {
 
 http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w) {
   if (opts_.nice != 0) {
-    // Each server thread sets its own nice value at its first request (Linux: per thread).
-    thread_local const StubReplica* niced = nullptr;
-    if (niced != this) {
-      niced = this;
-      const bool ok = ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), opts_.nice) == 0;
-      nice_applied_.store(ok ? 1 : -1);
-    }
+    // Each server thread sets its own nice value at its first request (Linux: per thread), once
+    // even when it serves several stubs (StubFleet: they share one StubOptions, so one value).
+    thread_local int thread_niced = 0;  // 0 not tried, 1 set, -1 refused
+    if (thread_niced == 0)
+      thread_niced = ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), opts_.nice) == 0 ? 1 : -1;
+    if (nice_applied_.load(std::memory_order_relaxed) != thread_niced) nice_applied_.store(thread_niced);
   }
   const auto t0 = Clock::now();
   const std::string path(req.path());
