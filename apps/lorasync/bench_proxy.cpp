@@ -363,11 +363,12 @@ int run(const BenchProxyOptions& o) {
     bench::StubFleet stubs(so, 2, o.stub_threads == "shared");
     stubs.start();
     bench::StubReplica &s0 = stubs[0], &s1 = stubs[1];
+    const std::vector<std::string> urls = stubs.urls();
     bench::TraceOptions to;
     to.prompts = o.prompts;
     auto trace = bench::make_grpo_trace(to);
     // Baseline: direct to the stubs.
-    RunResult base = drive({s0.url(), s1.url()}, trace, conc, o.client_threads);
+    RunResult base = drive(urls, trace, conc, o.client_threads);
     if (o.stub_nice != 0 && (s0.nice_applied() != 1 || s1.nice_applied() != 1))
       throw_env("bench proxy: --stub-nice {}: the stubs' threads could not take it (a value below 0 needs CAP_SYS_NICE)",
                 o.stub_nice);
@@ -377,8 +378,7 @@ int run(const BenchProxyOptions& o) {
     // One round of a proxy from cold stub caches (reset, so the stubs' prefill reuse reflects that
     // proxy's routing only).
     auto cold_round = [&](const Child& ch) {
-      get_json(s0.url(), "/reset_prefix_cache");
-      get_json(s1.url(), "/reset_prefix_cache");
+      for (const auto& u : urls) get_json(u, "/reset_prefix_cache");
       const std::uint64_t p0 = s0.prompt_tokens() + s1.prompt_tokens(), c0 = s0.cached_tokens() + s1.cached_tokens();
       Round r = measure_round(ch, trace, conc, o.client_threads);
       const std::uint64_t pt = s0.prompt_tokens() + s1.prompt_tokens() - p0,
@@ -387,9 +387,9 @@ int run(const BenchProxyOptions& o) {
       return r;
     };
     for (int round = 0; round < std::max(1, o.rounds); ++round) {
-      ours.push_back(cold_round(spawn_proxy({s0.url(), s1.url()}, o.proxy_threads)));
+      ours.push_back(cold_round(spawn_proxy(urls, o.proxy_threads)));
       // The reference proxy, same stubs, same trace.
-      if (!o.reference.empty()) refs.push_back(cold_round(spawn_reference(o, {s0.url(), s1.url()})));
+      if (!o.reference.empty()) refs.push_back(cold_round(spawn_reference(o, urls)));
     }
     const int R = static_cast<int>(ours.size());
     auto med = [](auto& v, auto f) {
