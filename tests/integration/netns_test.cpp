@@ -200,10 +200,13 @@ TEST(Netns, PartitionDuringALoadDelayAndLossKeepTheFleetConsistent) {
   EXPECT_EQ(l3.status, 200) << l3.body;
   EXPECT_LE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 6.0);
   int ok = 0;
-  for (int i = 0; i < 20; ++i)
-    ok += call("POST", "/v1/completions", R"({"model":"policy-v3","prompt":"q)" + std::to_string(i) + R"(","max_tokens":2})")
-              .status == 200;
-  EXPECT_EQ(ok, 20);
+  std::string failed;  // status and body of each completion that failed
+  for (int i = 0; i < 20; ++i) {
+    auto r = call("POST", "/v1/completions", R"({"model":"policy-v3","prompt":"q)" + std::to_string(i) + R"(","max_tokens":2})");
+    if (r.status == 200) ++ok;
+    else failed += "\n" + std::to_string(r.status) + " " + r.body.substr(0, 300);
+  }
+  EXPECT_EQ(ok, 20) << failed;
   std::string dropped;
   if (impaired.find("nftables") != std::string::npos) {
     // The rules' counters: packets the kernel dropped on A's link during the load and completions.
