@@ -415,7 +415,10 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       note_failure(pick, http::call_error_name(res.error), true);
       last_error = "upstream " + rep.url_str + " failed: " + res.message;
       last_status = timeout ? 504 : 502;
-      if (timeout || attempts > cfg.max_retries) {
+      // A connect that timed out sent nothing (a dropped SYN on a lossy link): as safe to retry
+      // elsewhere as a refused one. Other timeouts may leave a generation running: never retried.
+      const bool resend_safe = !timeout || res.error == http::CallError::kConnectTimeout;
+      if (!resend_safe || attempts > cfg.max_retries) {
         if (routed) finish_routed(scan.model, std::nullopt);
         co_await send_error(last_status, last_error);
         co_return;
