@@ -574,14 +574,15 @@ std::optional<ScanError> hash_prompt(Span s, std::string_view param, std::size_t
 std::optional<ScanError> scan_routed_request(std::string_view body, std::size_t block_size,
                                              PromptScan& out) {
   out = PromptScan{};
-  static const char* const kKeys[] = {"model", "prompt", "messages"};
-  Span spans[3];
+  static const char* const kKeys[] = {"model", "prompt", "messages", "stream"};
+  Span spans[4];
   // The integers of `prompt` and `messages` when they are token ids (reused from call to call).
-  thread_local std::vector<std::int64_t> ids[3];
-  bool captured[3] = {false, false, false};
+  thread_local std::vector<std::int64_t> ids[4];
+  bool captured[4] = {false, false, false, false};
   Validator v(body.data(), body.data() + body.size());
-  if (!v.top_object(kKeys, spans, 3, ids, captured) || !v.at_end())
+  if (!v.top_object(kKeys, spans, 4, ids, captured) || !v.at_end())
     return ScanError{"invalid JSON body: " + (v.error().empty() ? std::string("trailing data") : v.error()), ""};
+  out.stream = spans[3].type == VType::kTrue;
   if (spans[0].present()) {
     if (spans[0].type != VType::kString) return ScanError{"'model' must be a string", "model"};
     Validator::decode_string(spans[0].begin, spans[0].end, out.model);

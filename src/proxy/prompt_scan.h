@@ -33,6 +33,7 @@ struct PromptScan {
   PromptKind kind = PromptKind::kNone;
   std::vector<Hash128> blocks;  // h1..hn, chained from h0 = H(model)
   std::uint64_t n_units = 0;    // ids or text bytes seen (whole and partial groups)
+  bool stream = false;          // top-level `stream` is true (the last one, if repeated)
 };
 
 // Scans a routed request (/v1/completions, /v1/chat/completions). block_size >= 1.

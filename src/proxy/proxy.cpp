@@ -308,8 +308,9 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       co_return;
     }
   }
-  bool stream = routed && req.body.find("\"stream\"") != std::string::npos &&
-                req.body.find("true", req.body.find("\"stream\"")) != std::string::npos;
+  // Labels the first-byte histogram (TTFT for SSE): the scanner's top-level `stream`, not a search
+  // of the body (which took `"stream": false, "echo": true` for a stream).
+  const bool stream = routed && scan.stream;
   // The client's headers go upstream as received (the pool leaves out hop-by-hop fields, Host and
   // Content-Length), less the ones the proxy sets or answers itself: no copy of them per request
   // (a copy was five allocations). Control routes build theirs with upstream_headers(), which

@@ -235,6 +235,13 @@ TEST(ProxyConformance, StreamingRelayAndRestartedReplicaResync) {
   auto s = call(f.port(), "POST", "/v1/completions", R"({"model":"m","prompt":[1,2],"stream":true})");
   EXPECT_EQ(s.status, 200);
   EXPECT_NE(s.body.find("data: [DONE]"), std::string::npos);
+  // The first-byte histogram is labelled by the request's top-level `stream`: a `true` elsewhere in
+  // the body does not make a stream.
+  EXPECT_EQ(call(f.port(), "POST", "/v1/completions", R"({"model":"m","prompt":[3],"stream":false,"echo":true})").status, 200);
+  const std::string m = call(f.port(), "GET", "/metrics").body;
+  for (const char* label : {"stream=\"true\"} 1\n", "stream=\"false\"} 1\n"})
+    EXPECT_NE(m.find(std::string("time_to_first_byte_seconds_count{route=\"completions\",") + label), std::string::npos)
+        << label << "\n" << m;
   ASSERT_EQ(call(f.port(), "POST", "/v1/load_lora_adapter", R"({"lora_name":"policy-v5","lora_path":"/b/5"})").status, 200);
   ASSERT_EQ(call(f.port(), "POST", "/pause").status, 200);
   f.stubs[1]->forget_adapters();  // a restart without state

@@ -194,6 +194,19 @@ TEST(Scan, SourceRules) {
   EXPECT_EQ(scan_ok(R"({"mod\u0065l":"z"})").model, "z");
 }
 
+// `stream` labels the first-byte histogram: only a top-level true counts, the last one if repeated.
+TEST(Scan, StreamIsTheTopLevelTrue) {
+  EXPECT_TRUE(scan_ok(R"({"prompt":[1],"stream":true})").stream);
+  EXPECT_TRUE(scan_ok(R"({"str\u0065am" : true})").stream);
+  EXPECT_FALSE(scan_ok(R"({"prompt":[1]})").stream);
+  EXPECT_FALSE(scan_ok(R"({"stream":false,"echo":true,"logprobs":true})").stream);
+  EXPECT_FALSE(scan_ok(R"({"stream":"true"})").stream);
+  EXPECT_FALSE(scan_ok(R"({"stream":1})").stream);
+  EXPECT_FALSE(scan_ok(R"({"stream_options":{"stream":true},"prompt":"stream true"})").stream);
+  EXPECT_FALSE(scan_ok(R"({"stream":true,"stream":null})").stream);
+  EXPECT_TRUE(scan_ok(R"({"stream":false,"stream":true})").stream);
+}
+
 TEST(Scan, BadTypesAre400) {
   EXPECT_EQ(scan_err(R"({"model":5})")->param, "model");
   EXPECT_EQ(scan_err(R"({"prompt":5})")->param, "prompt");
@@ -251,8 +264,12 @@ TEST(ScanFuzz, AgreesWithReferenceParser) {
     // nlohmann rejects lone surrogate escapes; Python's json (the reference) and we accept them.
     static const std::regex kSurrogate(R"(\\u[dD][89a-fA-F][0-9a-fA-F]{2})");
     bool ref_valid = nlohmann::json::accept(std::regex_replace(body, kSurrogate, "\\u0041"));
-    bool ref_object = false;
-    if (ref_valid) ref_object = nlohmann::json::parse(std::regex_replace(body, kSurrogate, "\\u0041")).is_object();
+    bool ref_object = false, ref_stream = false;
+    if (ref_valid) {
+      const auto j = nlohmann::json::parse(std::regex_replace(body, kSurrogate, "\\u0041"));
+      ref_object = j.is_object();
+      ref_stream = ref_object && j.contains("stream") && j["stream"].is_boolean() && j["stream"].get<bool>();
+    }
     if (!ref_object) {
       EXPECT_TRUE(err.has_value()) << body;
     } else {
@@ -260,6 +277,8 @@ TEST(ScanFuzz, AgreesWithReferenceParser) {
       EXPECT_EQ(json_is_valid(body), true) << body;
       if (err) {
         EXPECT_FALSE(err->param.empty()) << body << " -> " << err->message;  // only type errors
+      } else {
+        EXPECT_EQ(s.stream, ref_stream) << body;
       }
     }
   }
