@@ -61,6 +61,9 @@ void register_proxy(CLI::App& root, Registry& reg) {
   s->add_flag("--strict-broadcast", c->strict_broadcast, "broadcast to all replicas, not only those in service")->envname("PROXY_STRICT_BROADCAST");
   s->add_option("--block-size", c->block_size)->envname("PROXY_BLOCK_SIZE")->capture_default_str();
   s->add_option("--imbalance", c->imbalance)->envname("PROXY_IMBALANCE")->capture_default_str();
+  s->add_option("--spill-wait", c->spill_wait,
+                "seconds a request that would spill for imbalance waits for its replica's load to come back within --imbalance (answers being counted) before it spills; 0 = spill at once")
+      ->envname("PROXY_SPILL_WAIT_S")->capture_default_str();
   s->add_option("--max-tracked-blocks", c->max_tracked_blocks)->envname("PROXY_MAX_TRACKED_BLOCKS")->capture_default_str();
   s->add_option("--adapter-retry-interval", c->adapter_retry_interval)->envname("PROXY_LORA_RETRY_S")->capture_default_str();
   s->add_option("--adapter-load-deadline", c->adapter_load_deadline)->envname("PROXY_LORA_LOAD_TIMEOUT_S")->capture_default_str();

@@ -73,6 +73,7 @@ void resolve_config(ProxyConfig& c) {
   need(c.threads >= 0 && c.threads <= 256, "--threads", "must be in [0, 256]");
   if (c.threads == 0) c.threads = std::min<std::int64_t>(4, std::max(1u, std::thread::hardware_concurrency()));
   nonneg(c.unload_drain_timeout, "--unload-drain-timeout");
+  need(c.spill_wait >= 0 && c.spill_wait <= 10, "--spill-wait", "must be in [0, 10] seconds (0 = spill at once)");
   need(c.max_retries >= 0 && c.max_retries <= 63, "--max-retries", "must be in [0, 63]");
   need(c.health_quorum >= 0 && c.health_quorum <= static_cast<std::int64_t>(c.urls.size()), "--health-quorum",
        "must be in [0, number of upstreams]");

@@ -330,16 +330,35 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
   int last_status = 503;
   thread_local std::mt19937_64 jitter_rng{std::hash<std::thread::id>{}(std::this_thread::get_id())};
 
+  // Delay scheduling for locality: a first decision that would spill for imbalance waits up to
+  // --spill-wait for its replica's load to come back within the bound (each release wakes it),
+  // then is taken again, the last time spilling if it must. A spill costs more than the wait: the
+  // prompt is prefilled again elsewhere, and its blocks, now owned by every replica, count as
+  // common for the rest of its group.
+  std::optional<Clock::time_point> spill_deadline;
   for (;;) {
     std::uint64_t eligible = in_service_mask() & ~tried;
     int pick = -1;
     Decision d;
     if (eligible != 0) {
       if (routed) {
+        const bool may_defer = first && cfg.spill_wait > 0 && (!spill_deadline || Clock::now() < *spill_deadline);
         const auto td = Clock::now();
-        d = router.route(scan.blocks, eligible, first, scan.model);
+        d = router.route(scan.blocks, eligible, first, scan.model, may_defer);
         decision_seconds->observe(std::chrono::duration<double>(Clock::now() - td).count());
+        if (d.deferred) {
+          if (!spill_deadline)
+            spill_deadline = td + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.spill_wait));
+          const int owner = d.pick;
+          co_await load_released.wait_until([this, owner, eligible] { return router.within_imbalance(owner, eligible); },
+                                            *spill_deadline);
+          continue;
+        }
         pick = d.pick;
+        if (first && spill_deadline) {
+          const char* result = d.outcome == Outcome::kSpilled ? "result=\"spilled\"" : "result=\"kept\"";
+          metrics.inc("spill_waits_total", result);
+        }
         if (first) decision_cells[static_cast<int>(d.outcome)][static_cast<int>(d.reason)]->inc();
       } else {
         pick = __builtin_ctzll(eligible);  // the primary: lowest index in service, untried
@@ -388,7 +407,10 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
         if (released) return;
         released = true;
         rep->inflight_all.fetch_sub(1);
-        if (routed) self->router.release(pick);
+        if (routed) {
+          self->router.release(pick);
+          self->load_released.notify_all();
+        }
       }
       ~Release() { now(); }
     } release{this, &rep, routed, pick};

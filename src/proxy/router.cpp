@@ -42,7 +42,7 @@ Router::Router(RouterOptions opts)
 }
 
 Decision Router::route(std::span<const Hash128> blocks, std::uint64_t eligible, bool first_attempt,
-                       std::string_view adapter) {
+                       std::string_view adapter, bool defer_spill) {
   const int N = opts_.n_replicas;
   eligible &= all_mask_;
   std::lock_guard lk(mu_);
@@ -90,6 +90,12 @@ Decision Router::route(std::span<const Hash128> blocks, std::uint64_t eligible, 
     if (best_spec > 0) {
       d.outcome = Outcome::kSpilled;
       d.reason = Reason::kImbalance;
+      if (defer_spill) {
+        d.pick = best;
+        d.matched = matched[best];
+        d.deferred = true;
+        return d;
+      }
     } else if (outside) {
       d.outcome = Outcome::kSpilled;
       d.reason = Reason::kOwnerUnavailable;
@@ -138,6 +144,15 @@ Decision Router::route(std::span<const Hash128> blocks, std::uint64_t eligible, 
 }
 
 void Router::release(int replica) { load_[replica].fetch_sub(1, std::memory_order_relaxed); }
+
+bool Router::within_imbalance(int replica, std::uint64_t eligible) const {
+  eligible &= all_mask_;
+  if (!(eligible >> replica & 1)) return false;
+  std::int64_t least = INT64_MAX;
+  for (std::uint64_t m = eligible; m; m &= m - 1)
+    least = std::min(least, load_[__builtin_ctzll(m)].load(std::memory_order_relaxed));
+  return load_[replica].load(std::memory_order_relaxed) - least <= opts_.imbalance;
+}
 
 const AdapterStats* Router::find_adapter_locked(std::string_view name) const {
   // Newest first: the adapter being trained is the last name added, and a run advances through

@@ -45,6 +45,9 @@ struct Decision {
   Outcome outcome = Outcome::kUnmatched;
   Reason reason = Reason::kNone;
   std::uint32_t matched = 0;     // matched[pick]: the predicted prefix hit in blocks
+  // route(..., defer_spill = true) met a spill for imbalance and did not take it: nothing was
+  // recorded or counted; pick is the replica holding the request's blocks (the one to wait for).
+  bool deferred = false;
 };
 
 struct AdapterStats {
@@ -74,8 +77,14 @@ class Router {
   // One decision over hashes h1..hn among `eligible` (bitmask of in-service, untried replicas).
   // `first_attempt` false marks a retry: outcome counters are not incremented (the caller counts
   // retries_total). On the first attempt the adapter's in-flight count is incremented.
+  // With `defer_spill`, a decision that would spill for imbalance (step 6, reason `imbalance`)
+  // returns `deferred` instead, having changed nothing (the caller waits for the loads to move and
+  // asks again, the last time without it).
   Decision route(std::span<const Hash128> blocks, std::uint64_t eligible, bool first_attempt,
-                 std::string_view adapter);
+                 std::string_view adapter, bool defer_spill = false);
+  // Whether `replica` is within the imbalance bound of the least loaded of `eligible` now (the
+  // affinity condition of step 5; lock-free, for a deferred decision's wait).
+  bool within_imbalance(int replica, std::uint64_t eligible) const;
   // The attempt on `replica` ended.
   void release(int replica);
   // The request (all its attempts) ended; cached_tokens as read from the reply, if any.

@@ -668,10 +668,26 @@ TEST(ProxyConfig, Validation) {
   bad([](ProxyConfig& c) { c.upstreams = {"ftp://a"}; });
   bad([](ProxyConfig& c) { c.upstreams = {"http://u@a:1"}; });
   bad([](ProxyConfig& c) { c.block_size = 0; });
+  bad([](ProxyConfig& c) { c.spill_wait = -0.001; });
+  bad([](ProxyConfig& c) { c.spill_wait = 11; });
   bad([](ProxyConfig& c) { c.listen = "nohostport"; });
   bad([](ProxyConfig& c) { c.api_key_env = "LORASYNC_TEST_KEY_UNSET"; });
   setenv("LORASYNC_TEST_TOKEN2", "x", 1);
   bad([](ProxyConfig& c) { c.upstreams = {"http://10.1.2.3:80"}; c.upstream_token_env = "LORASYNC_TEST_TOKEN2"; });
+  {
+    ProxyConfig off;  // 0: spill at once, as the reference
+    off.upstreams = {"http://127.0.0.1:9"};
+    off.upstream_token_env = "LORASYNC_TEST_TOKEN_UNSET";
+    off.spill_wait = 0;
+    EXPECT_NO_THROW(resolve_config(off));
+    try {
+      off.spill_wait = 11;
+      resolve_config(off);
+      ADD_FAILURE() << "a spill wait of 11 s was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--spill-wait"), std::string::npos) << e.what();
+    }
+  }
   ProxyConfig ok;
   ok.upstreams = {"http://10.1.2.3:80"};
   ok.upstream_token_env = "LORASYNC_TEST_TOKEN2";

@@ -41,6 +41,43 @@ TEST(ProxyConformance, UnloadDrainsTheAdaptersRequestsAndEndsWhenTheLastOneDoes)
   EXPECT_LT(unloaded - t0, 3.0);
 }
 
+// --spill-wait: a request that would spill for imbalance waits for its replica's load to come back
+// within the bound, is woken by the answer that brings it back (not by the wait's end) and keeps
+// its affinity; when the wait ends first, it spills as the rule says.
+TEST(ProxyConformance, AWouldBeSpillWaitsForItsReplicaAndSpillsOnlyWhenTheWaitEnds) {
+  for (const bool kept : {true, false}) {
+    SCOPED_TRACE(kept ? "the owner answers within the wait" : "the wait ends first");
+    Fleet f(2, [&](ProxyConfig& c) {
+      c.imbalance = 0;
+      c.spill_wait = kept ? 4.0 : 0.2;
+    });
+    for (auto& s : f.stubs) s->latency_s = kept ? 0.5 : 1.0;
+    std::thread first([&] { EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1, 2})).status, 200); });
+    ASSERT_TRUE(eventually([&] { return f.proxy->stats()["router"]["routed"].get<int>() == 1; }));
+    // The same prompt: its replica (0) has one in flight, the other none, 1 - 0 > --imbalance 0.
+    const double t0 = now_seconds();
+    auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({1, 2}));
+    const double took = now_seconds() - t0;
+    first.join();
+    ASSERT_EQ(r.status, 200) << r.body;
+    const auto router = f.proxy->stats()["router"];
+    const std::string metrics = call(f.port(), "GET", "/metrics").body;
+    if (kept) {
+      EXPECT_EQ(*r.headers.find("X-Proxy-Upstream"), "0");
+      EXPECT_EQ(router["affinity"].get<int>(), 1);
+      EXPECT_EQ(router["spilled"].get<int>(), 0);
+      EXPECT_NE(metrics.find("lorasync_proxy_spill_waits_total{result=\"kept\"} 1"), std::string::npos) << metrics;
+      // Woken by the first answer (at most 0.5 s away), then served in 0.5 s: far from the 4 s wait.
+      EXPECT_LT(took, 2.5);
+    } else {
+      EXPECT_EQ(*r.headers.find("X-Proxy-Upstream"), "1");
+      EXPECT_EQ(router["spilled"].get<int>(), 1);
+      EXPECT_NE(metrics.find("lorasync_proxy_spill_waits_total{result=\"spilled\"} 1"), std::string::npos) << metrics;
+      EXPECT_GE(took, 1.15);  // the 0.2 s wait, then the 1 s service time on the other replica
+    }
+  }
+}
+
 // While a replica syncs, its health loop sleeps until the re-sync ends (no probe is due, no tick):
 // the process stays idle, where a loop that re-checked without waiting would burn a core.
 TEST(ProxyConformance, AHealthLoopSleepsWhileItsReplicaSyncs) {

@@ -105,6 +105,52 @@ TEST(Router, SpillVariantAndBound) {
   EXPECT_EQ(r2.route(b, kAll, true, "m").outcome, Outcome::kAffinity);
 }
 
+// --spill-wait: a decision asked with defer_spill that would spill for imbalance comes back
+// deferred, naming the owner, and changes nothing; within_imbalance is the affinity condition.
+TEST(Router, ADeferredSpillChangesNothingAndWithinImbalanceIsTheAffinityCondition) {
+  auto b = blocks_of(ids_prompt({1, 2, 3}));
+  Router r(opts(2)), twin(opts(2));
+  for (Router* x : {&r, &twin}) {
+    x->route(b, kAll, true, "m");                            // pick 0, load[0] = 1
+    for (int i = 0; i < 8; ++i) x->route({}, 1, true, "m");  // load[0] = 9
+  }
+  EXPECT_FALSE(r.within_imbalance(0, kAll));
+  EXPECT_TRUE(r.within_imbalance(1, kAll));
+  auto d = r.route(b, kAll, true, "m", true);
+  EXPECT_TRUE(d.deferred);
+  EXPECT_EQ(d.pick, 0);  // the owner, whose load the caller waits for
+  EXPECT_EQ(d.outcome, Outcome::kSpilled);
+  EXPECT_EQ(d.reason, Reason::kImbalance);
+  EXPECT_EQ(d.matched, 3u);
+  auto s = r.snapshot(), t = twin.snapshot();
+  EXPECT_EQ(s.routed, t.routed);
+  EXPECT_EQ(s.spilled, 0u);
+  EXPECT_EQ(s.load, t.load);
+  EXPECT_EQ(s.tracked_blocks, t.tracked_blocks);
+  EXPECT_EQ(s.routed_per_replica, t.routed_per_replica);
+  EXPECT_EQ(s.adapters[0].routed, t.adapters[0].routed);
+  EXPECT_EQ(s.adapters[0].inflight, t.adapters[0].inflight);
+  // The cursor did not move either: the twins' next unmatched decision picks alike.
+  auto cold = blocks_of(ids_prompt({9}));
+  EXPECT_EQ(r.route(cold, kAll, true, "m").pick, twin.route(cold, kAll, true, "m").pick);
+  // Not deferred without defer_spill, nor once the owner is back within the bound.
+  auto unavailable = r.route(b, 2, true, "m", true);  // the owner not eligible: owner_unavailable
+  EXPECT_FALSE(unavailable.deferred);
+  EXPECT_EQ(unavailable.reason, Reason::kOwnerUnavailable);
+  r.release(1);
+  Router u(opts(2));
+  u.route(b, kAll, true, "m");
+  for (int i = 0; i < 8; ++i) u.route({}, 1, true, "m");
+  EXPECT_TRUE(u.route(b, kAll, true, "m", true).deferred);
+  u.release(0);  // load[0] = 8: within the bound
+  EXPECT_TRUE(u.within_imbalance(0, kAll));
+  EXPECT_FALSE(u.within_imbalance(0, 2));  // not eligible
+  auto kept = u.route(b, kAll, true, "m", true);
+  EXPECT_FALSE(kept.deferred);
+  EXPECT_EQ(kept.outcome, Outcome::kAffinity);
+  EXPECT_EQ(kept.pick, 0);
+}
+
 TEST(Router, TemplateBecomesCommonFromThirdPrompt) {
   Router r(opts(2));
   std::vector<Outcome> outs;
@@ -339,6 +385,21 @@ TEST(Router, OracleProperty) {
       std::uint64_t elig = rng() % 5 == 0 ? (rng() & ((1ull << n) - 1)) : ~0ull;
       if ((elig & ((1ull << n) - 1)) == 0) elig = 1;
       bool first = rng() % 7 != 0;
+      // A deferred spill (--spill-wait) changes nothing: asked first with defer_spill, a decision
+      // either comes out as it would have, or deferred, and then the same when asked without.
+      if (first && rng() % 2 == 0) {
+        const auto deferred = router.route(bl, elig, first, "m", true);
+        if (!deferred.deferred) {
+          const auto b = naive.route(bl, elig, first);
+          ASSERT_EQ(deferred.pick, b.pick) << "run " << run << " req " << q;
+          ASSERT_EQ(deferred.outcome, b.outcome) << "run " << run << " req " << q;
+          ASSERT_EQ(deferred.reason, b.reason) << "run " << run << " req " << q;
+          inflight.push_back(deferred.pick);
+          continue;
+        }
+        ASSERT_EQ(deferred.reason, Reason::kImbalance) << "run " << run << " req " << q;
+        ASSERT_FALSE(router.within_imbalance(deferred.pick, elig));
+      }
       auto a = router.route(bl, elig, first, "m");
       auto b = naive.route(bl, elig, first);
       ASSERT_EQ(a.pick, b.pick) << "run " << run << " req " << q;
