@@ -331,10 +331,10 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
   thread_local std::mt19937_64 jitter_rng{std::hash<std::thread::id>{}(std::this_thread::get_id())};
 
   // Delay scheduling for locality: a first decision that would spill for imbalance waits up to
-  // --spill-wait for its replica's load to come back within the bound (each release wakes it),
-  // then is taken again, the last time spilling if it must. A spill costs more than the wait: the
-  // prompt is prefilled again elsewhere, and its blocks, now owned by every replica, count as
-  // common for the rest of its group.
+  // --spill-wait for its replica's load to come back within the bound (each release on that
+  // replica wakes it; one elsewhere cannot help), then is taken again, the last time spilling if
+  // it must. A spill costs more than the wait: the prompt is prefilled again elsewhere, and its
+  // blocks, now owned by every replica, count as common for the rest of its group.
   std::optional<Clock::time_point> spill_deadline;
   for (;;) {
     std::uint64_t eligible = in_service_mask() & ~tried;
@@ -350,8 +350,9 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
           if (!spill_deadline)
             spill_deadline = td + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.spill_wait));
           const int owner = d.pick;
-          co_await load_released.wait_until([this, owner, eligible] { return router.within_imbalance(owner, eligible); },
-                                            *spill_deadline);
+          Notifier& released = replicas[static_cast<std::size_t>(owner)]->load_released;
+          co_await released.wait_until([this, owner, eligible] { return router.within_imbalance(owner, eligible); },
+                                       *spill_deadline);
           continue;
         }
         pick = d.pick;
@@ -409,7 +410,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
         rep->inflight_all.fetch_sub(1);
         if (routed) {
           self->router.release(pick);
-          self->load_released.notify_all();
+          rep->load_released.notify_all();
         }
       }
       ~Release() { now(); }

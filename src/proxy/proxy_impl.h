@@ -46,6 +46,9 @@ struct Replica {
   std::atomic<bool> needs_resync{false};
   // Announced on every state transition: wakes the replica's health loop.
   Notifier changed;
+  // Announced when a routed attempt on this replica releases its load: wakes the decisions that
+  // --spill-wait holds for this replica (a release elsewhere cannot bring it back within the bound).
+  Notifier load_released;
   ReplicaState get() const { return static_cast<ReplicaState>(state.load()); }
 };
 
@@ -102,8 +105,6 @@ class Proxy::Impl {
   std::vector<RegisteredAdapter> registry;
   std::uint64_t next_seq = 0;
   std::optional<std::string> pause_target;  // path+query of the fleet pause intent
-  // Announced when a routed attempt's load is released: a decision deferred by --spill-wait waits on it.
-  Notifier load_released;
   // Announced when an adapter's last routed request in flight ends: an unload drains on it.
   Notifier adapter_idle;
   void finish_routed(std::string_view adapter, std::optional<std::uint64_t> cached_tokens) {
