@@ -501,6 +501,11 @@ int run(const BenchProxyOptions& o) {
       auto c2 = cfg;
       c2["affinity"] = last["affinity"];
       c2["spilled"] = last["spilled"];
+      // Ours only: the decisions --spill-wait held, by how the wait ended (kept affinity or spilled).
+      if (last.contains("spill_waits_kept")) {
+        c2["spill_waits_kept"] = last["spill_waits_kept"];
+        c2["spill_waits_spilled"] = last["spill_waits_spilled"];
+      }
       c2["unmatched"] = last["unmatched"];
       c2["tracked_blocks"] = last["tracked_blocks"];
       c2["per_round"] = list(ours, unmatched_of);

@@ -357,8 +357,9 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
         }
         pick = d.pick;
         if (first && spill_deadline) {
-          const char* result = d.outcome == Outcome::kSpilled ? "result=\"spilled\"" : "result=\"kept\"";
-          metrics.inc("spill_waits_total", result);
+          const bool spilled = d.outcome == Outcome::kSpilled;
+          (spilled ? spill_waits_spilled : spill_waits_kept).fetch_add(1, std::memory_order_relaxed);
+          metrics.inc("spill_waits_total", spilled ? "result=\"spilled\"" : "result=\"kept\"");
         }
         if (first) decision_cells[static_cast<int>(d.outcome)][static_cast<int>(d.reason)]->inc();
       } else {

@@ -96,6 +96,7 @@ class Proxy::Impl {
   std::vector<std::unique_ptr<Replica>> replicas;
   Clock::time_point started = Clock::now();
   std::atomic<std::uint64_t> retries{0}, client_aborts{0}, rejected{0};
+  std::atomic<std::uint64_t> spill_waits_kept{0}, spill_waits_spilled{0};  // --spill-wait outcomes
   std::atomic<bool> stopping{false};
 
   // Fleet state (under fleet_mu; the async lock orders whole operations). The lock's waiters hold

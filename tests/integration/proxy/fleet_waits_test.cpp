@@ -66,12 +66,16 @@ TEST(ProxyConformance, AWouldBeSpillWaitsForItsReplicaAndSpillsOnlyWhenTheWaitEn
       EXPECT_EQ(*r.headers.find("X-Proxy-Upstream"), "0");
       EXPECT_EQ(router["affinity"].get<int>(), 1);
       EXPECT_EQ(router["spilled"].get<int>(), 0);
+      EXPECT_EQ(router["spill_waits_kept"].get<int>(), 1);
+      EXPECT_EQ(router["spill_waits_spilled"].get<int>(), 0);
       EXPECT_NE(metrics.find("lorasync_proxy_spill_waits_total{result=\"kept\"} 1"), std::string::npos) << metrics;
       // Woken by the first answer (at most 0.5 s away), then served in 0.5 s: far from the 4 s wait.
       EXPECT_LT(took, 2.5);
     } else {
       EXPECT_EQ(*r.headers.find("X-Proxy-Upstream"), "1");
       EXPECT_EQ(router["spilled"].get<int>(), 1);
+      EXPECT_EQ(router["spill_waits_kept"].get<int>(), 0);
+      EXPECT_EQ(router["spill_waits_spilled"].get<int>(), 1);
       EXPECT_NE(metrics.find("lorasync_proxy_spill_waits_total{result=\"spilled\"} 1"), std::string::npos) << metrics;
       EXPECT_GE(took, 1.15);  // the 0.2 s wait, then the 1 s service time on the other replica
     }
