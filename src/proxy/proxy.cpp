@@ -105,6 +105,8 @@ void Proxy::Impl::init_metric_cells() {
   for (std::size_t r = 0; r < replicas.size(); ++r)
     routed_cells.push_back(&metrics.counter_cell("routed_total", "replica=\"" + std::to_string(r) + "\""));
   decision_seconds = &metrics.histogram_cell("route_decision_seconds", "");
+  spill_wait_cells[0] = &metrics.counter_cell("spill_waits_total", "result=\"kept\"");
+  spill_wait_cells[1] = &metrics.counter_cell("spill_waits_total", "result=\"spilled\"");
   for (int o = 0; o < kOutcomeCount; ++o)
     for (int r = 0; r < kReasonCount; ++r)
       decision_cells[o][r] = &metrics.counter_cell(
@@ -342,8 +344,8 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     Decision d;
     if (eligible != 0) {
       if (routed) {
-        const bool may_defer = first && cfg.spill_wait > 0 && (!spill_deadline || Clock::now() < *spill_deadline);
         const auto td = Clock::now();
+        const bool may_defer = first && cfg.spill_wait > 0 && (!spill_deadline || td < *spill_deadline);
         d = router.route(scan.blocks, eligible, first, scan.model, may_defer);
         decision_seconds->observe(std::chrono::duration<double>(Clock::now() - td).count());
         if (d.deferred) {
@@ -356,11 +358,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
           continue;
         }
         pick = d.pick;
-        if (first && spill_deadline) {
-          const bool spilled = d.outcome == Outcome::kSpilled;
-          (spilled ? spill_waits_spilled : spill_waits_kept).fetch_add(1, std::memory_order_relaxed);
-          metrics.inc("spill_waits_total", spilled ? "result=\"spilled\"" : "result=\"kept\"");
-        }
+        if (first && spill_deadline) spill_wait_cells[d.outcome == Outcome::kSpilled ? 1 : 0]->inc();
         if (first) decision_cells[static_cast<int>(d.outcome)][static_cast<int>(d.reason)]->inc();
       } else {
         pick = __builtin_ctzll(eligible);  // the primary: lowest index in service, untried

@@ -96,7 +96,6 @@ class Proxy::Impl {
   std::vector<std::unique_ptr<Replica>> replicas;
   Clock::time_point started = Clock::now();
   std::atomic<std::uint64_t> retries{0}, client_aborts{0}, rejected{0};
-  std::atomic<std::uint64_t> spill_waits_kept{0}, spill_waits_spilled{0};  // --spill-wait outcomes
   std::atomic<bool> stopping{false};
 
   // Fleet state (under fleet_mu; the async lock orders whole operations). The lock's waiters hold
@@ -123,6 +122,7 @@ class Proxy::Impl {
   std::vector<Metrics::Counter*> routed_cells;   // routed_total{replica}
   Metrics::Histogram* decision_seconds = nullptr;
   Metrics::Counter* decision_cells[kOutcomeCount][kReasonCount] = {};  // route_decisions_total{outcome, reason}
+  Metrics::Counter* spill_wait_cells[2] = {};  // spill_waits_total{result="kept"|"spilled"} (--spill-wait)
   void init_metric_cells();
 
   // proxy.cpp

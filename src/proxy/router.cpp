@@ -63,9 +63,7 @@ Decision Router::route(std::span<const Hash128> blocks, std::uint64_t eligible, 
   }
   // 3-4. specific, least, best.
   auto specific = [&](int r) { return matched[r] > common ? matched[r] - common : 0u; };
-  std::int64_t least = INT64_MAX;
-  for (int r = 0; r < N; ++r)
-    if (eligible >> r & 1) least = std::min(least, load_[r].load(std::memory_order_relaxed));
+  const std::int64_t least = least_load(eligible);
   int best = -1;
   std::uint32_t best_spec = 0;
   std::int64_t best_load = 0;
@@ -145,13 +143,17 @@ Decision Router::route(std::span<const Hash128> blocks, std::uint64_t eligible, 
 
 void Router::release(int replica) { load_[replica].fetch_sub(1, std::memory_order_relaxed); }
 
-bool Router::within_imbalance(int replica, std::uint64_t eligible) const {
-  eligible &= all_mask_;
-  if (!(eligible >> replica & 1)) return false;
+std::int64_t Router::least_load(std::uint64_t eligible) const {
   std::int64_t least = INT64_MAX;
   for (std::uint64_t m = eligible; m; m &= m - 1)
     least = std::min(least, load_[__builtin_ctzll(m)].load(std::memory_order_relaxed));
-  return load_[replica].load(std::memory_order_relaxed) - least <= opts_.imbalance;
+  return least;
+}
+
+bool Router::within_imbalance(int replica, std::uint64_t eligible) const {
+  eligible &= all_mask_;
+  if (!(eligible >> replica & 1)) return false;
+  return load_[replica].load(std::memory_order_relaxed) - least_load(eligible) <= opts_.imbalance;
 }
 
 const AdapterStats* Router::find_adapter_locked(std::string_view name) const {

@@ -102,6 +102,8 @@ class Router {
   const RouterOptions& options() const { return opts_; }
 
  private:
+  // The least load over `eligible` (masked to the configured replicas; not empty).
+  std::int64_t least_load(std::uint64_t eligible) const;
   AdapterStats& adapter_locked(std::string_view name);
   AdapterStats* find_adapter_locked(std::string_view name);
   const AdapterStats* find_adapter_locked(std::string_view name) const;

@@ -122,7 +122,8 @@ nlohmann::json Proxy::Impl::stats_json() const {
   j["router"] = {{"routed", s.routed}, {"affinity", s.affinity}, {"spilled", s.spilled}, {"unmatched", s.unmatched},
                  {"tracked_blocks", s.tracked_blocks}, {"evicted_blocks", s.evicted_blocks},
                  {"max_tracked_blocks", cfg.max_tracked_blocks}, {"block_size", cfg.block_size}, {"imbalance", cfg.imbalance}, {"spill_wait", cfg.spill_wait},
-                 {"spill_waits_kept", spill_waits_kept.load()}, {"spill_waits_spilled", spill_waits_spilled.load()},
+                 {"spill_waits_kept", static_cast<std::uint64_t>(spill_wait_cells[0]->value())},
+                 {"spill_waits_spilled", static_cast<std::uint64_t>(spill_wait_cells[1]->value())},
                  {"table_bytes", s.table_memory_bytes}};
   auto names = registry_names();
   j["adapters"] = nlohmann::json::array();
