@@ -9,6 +9,10 @@ find_package(PkgConfig REQUIRED)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 pkg_check_modules(TOMLPP REQUIRED IMPORTED_TARGET tomlplusplus)
 find_package(Boost 1.74 REQUIRED)
+# xxHash (libxxhash-dev), used from its header alone (XXH_INLINE_ALL): the proxy's block hash.
+find_path(XXHASH_INCLUDE_DIR xxhash.h REQUIRED DOC "xxHash's header (Debian: libxxhash-dev)")
+# mimalloc (libmimalloc-dev): the front executable's malloc (apps/lorasync/CMakeLists.txt).
+find_package(mimalloc 2.0 REQUIRED)
 
 # The repository's root: this file is also included by tests/sanitize (its libtorch-linked part).
 if(NOT DEFINED LORASYNC_ROOT)

@@ -24,40 +24,66 @@ class CancelSignal {
     return fired_;
   }
   void fire() {
-    std::vector<std::pair<Id, std::function<void()>>> cbs;
+    Slot first[kInline];
+    std::vector<Slot> more;
     {
       std::lock_guard lk(mu_);
       if (fired_) return;
       fired_ = true;
-      cbs.swap(cbs_);
+      for (int i = 0; i < kInline; ++i) first[i] = std::move(inline_[i]);
+      more.swap(more_);
     }
-    for (auto& [id, f] : cbs) f();
+    for (auto& s : first)
+      if (s.id != 0) s.f();
+    for (auto& s : more) s.f();
   }
   Id subscribe(std::function<void()> f) {
     {
       std::lock_guard lk(mu_);
       if (!fired_) {
-        cbs_.emplace_back(++next_, std::move(f));
-        return next_;
+        const Id id = ++next_;
+        for (auto& s : inline_)
+          if (s.id == 0) {
+            s.id = id;
+            s.f = std::move(f);
+            return id;
+          }
+        more_.push_back(Slot{id, std::move(f)});
+        return id;
       }
     }
     f();
     return 0;
   }
   void unsubscribe(Id id) {
+    if (id == 0) return;
     std::lock_guard lk(mu_);
-    for (auto it = cbs_.begin(); it != cbs_.end(); ++it)
-      if (it->first == id) {
-        cbs_.erase(it);
+    for (auto& s : inline_)
+      if (s.id == id) {
+        s.id = 0;
+        s.f = nullptr;
+        return;
+      }
+    for (auto it = more_.begin(); it != more_.end(); ++it)
+      if (it->id == id) {
+        more_.erase(it);
         return;
       }
   }
 
  private:
+  // The first subscriptions live inline (a request has one or two: its upstream call, a wait for
+  // a connection), so subscribing allocates nothing; more go to a vector. id 0: a free slot.
+  struct Slot {
+    Id id = 0;
+    std::function<void()> f;
+  };
+  static constexpr int kInline = 2;
   mutable std::mutex mu_;
   bool fired_ = false;
   Id next_ = 0;
-  std::vector<std::pair<Id, std::function<void()>>> cbs_;
+  Slot inline_[kInline];
+  std::vector<Slot> more_;
 };
 
 }  // namespace lorasync::http

@@ -120,7 +120,8 @@ bool is_hop_by_hop(std::string_view n) {
   return false;
 }
 
-void strip_hop_by_hop(const Headers& in, Headers& out) {
+void strip_hop_by_hop(const Headers& in, Headers& out, std::span<const std::string_view> drop,
+                      std::span<const std::pair<std::string_view, std::string_view>> append) {
   std::vector<std::string_view> listed;  // (allocates only when a Connection header lists names)
   for (const auto& h : in)
     if (iequals(h.name, "connection")) {
@@ -141,12 +142,22 @@ void strip_hop_by_hop(const Headers& in, Headers& out) {
     if (is_hop_by_hop(h.name)) continue;
     bool named = false;
     for (const auto& l : listed) named |= iequals(l, h.name);
+    for (const auto& d : drop) named |= iequals(d, h.name);
     if (named) continue;
     if (k < items.size()) {
       items[k].name.assign(h.name);
       items[k].value.assign(h.value);
     } else {
       items.push_back(h);
+    }
+    ++k;
+  }
+  for (const auto& [name, value] : append) {
+    if (k < items.size()) {
+      items[k].name.assign(name);
+      items[k].value.assign(value);
+    } else {
+      items.push_back(Header{std::string(name), std::string(value)});
     }
     ++k;
   }

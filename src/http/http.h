@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -78,7 +79,10 @@ bool is_hop_by_hop(std::string_view name);
 Headers strip_hop_by_hop(const Headers& in);
 // The same into `out` (replacing its contents), reusing its strings' capacity: with an `out` kept
 // from call to call, copying a response's headers allocates nothing once the strings are large enough.
-void strip_hop_by_hop(const Headers& in, Headers& out);
+// Also left out: the names in `drop` (lower case, compared case-insensitively); then `append` is
+// added at the end, in the same reused strings.
+void strip_hop_by_hop(const Headers& in, Headers& out, std::span<const std::string_view> drop = {},
+                      std::span<const std::pair<std::string_view, std::string_view>> append = {});
 // Whether a Connection header of `in` lists `name` (case-insensitive): such a header is hop-by-hop.
 bool listed_in_connection(const Headers& in, std::string_view name);
 

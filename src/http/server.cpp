@@ -6,6 +6,7 @@
 // cancelled around every read and write.
 #include <utility>
 
+#include <sys/epoll.h>
 #include <sys/socket.h>
 
 #include <boost/asio/co_spawn.hpp>
@@ -13,6 +14,7 @@
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/redirect_error.hpp>
@@ -99,6 +101,8 @@ class InBuf {
   std::size_t cap_ = 0, begin_ = 0, end_ = 0;
 };
 
+class Writer;
+
 struct Session {
   explicit Session(tcp::socket s) : sock(std::move(s)) {}
   tcp::socket sock;
@@ -108,6 +112,10 @@ struct Session {
   bool timed_out = false;  // strand-only: the pending operation was cancelled by its deadline
   bool busy = false;       // strand-only
   bool closed = false;
+  // Strand-only. The writer of the handler running (null between requests), and whether the
+  // hang-up watch has seen the peer close its side or the connection fail.
+  Writer* active_writer = nullptr;
+  bool peer_gone = false;
   InBuf in;
   void arm(double seconds) { deadline.store(after(seconds), std::memory_order_relaxed); }
   void disarm() { deadline.store(kNoDeadline, std::memory_order_relaxed); }
@@ -265,12 +273,6 @@ class Writer final : public ResponseWriter {
   CancelSignal gone_;
 };
 
-struct WatchState {
-  bool active = true;  // strand-only: the handler is running
-  bool ended = false;  // strand-only: the client closed or the connection failed meanwhile
-  char peek = 0;       // the watch's one-byte peek target
-};
-
 }  // namespace
 
 class Server::Impl {
@@ -303,6 +305,9 @@ class Server::Impl {
   std::size_t conn_cap = 0;  // set by start()
   std::atomic<std::uint64_t> refused{0};
   std::chrono::steady_clock::time_point last_accept_warning{};
+  // The hang-up watch's epoll set (hup_wait), on a strand of its own; closed by stop() under `mu`.
+  std::optional<net::posix::stream_descriptor> hup;
+  std::chrono::steady_clock::time_point last_hup_warning{};  // under `mu`
   bool stop_started = false, stopped = false;
 
   void for_each_session(const std::function<void(std::shared_ptr<Session>)>& f) {
@@ -377,6 +382,7 @@ class Server::Impl {
         if (!full) {
           id = ++next_id;
           sessions[id] = s;
+          hup_add(*s, id);
         }
       }
       if (full) {
@@ -417,29 +423,58 @@ class Server::Impl {
     s->close();
   }
 
-  // Notices the client leaving while the handler runs. A one-byte peeking receive, not a readiness
-  // wait: Asio re-registers the descriptor with epoll (one epoll_ctl system call) for every
-  // readiness wait, while a receive on a socket whose last read drained it is only queued, and
-  // completes when data or the end of stream arrives. Data means a pipelined next request (left
-  // in the socket: the peek does not consume it).
-  // The end of stream (or an error) seen by the peek is an edge the session's next read will not
-  // see again (epoll is edge-triggered and the reactor then queues that read without trying it).
-  // So: seen while the handler runs, it marks the session ended (closed after the answer); seen
-  // once the handler is over, the session's next read has already been queued on this strand
-  // (the watch's completion runs after it): cancelling it ends the session at once.
-  void watch(const std::shared_ptr<Session>& s, const std::shared_ptr<WatchState>& ws, Writer* w) {
-    s->sock.async_receive(net::buffer(&ws->peek, 1), tcp::socket::message_peek,
-                          [s, ws, w](const error_code& ec, std::size_t n) {
-                            if (ec == net::error::operation_aborted) return;
-                            if (!ec && n > 0) return;  // a pipelined request
-                            if (ws->active) {
-                              ws->ended = true;
-                              w->client_gone().fire();
-                            } else {
-                              error_code e;
-                              s->sock.cancel(e);
-                            }
-                          });
+  // The hang-up watch: notices a client leaving while its handler runs, without a system call per
+  // request. Every connection is added once, when accepted, to an epoll set of the server's own
+  // with EPOLLRDHUP alone, edge-triggered (errors and hang-ups are always reported): arriving
+  // data does not wake it, the peer's FIN or reset does. That set's descriptor is waited on
+  // through the io_context; a closed socket leaves the set by itself. (A one-byte peeking receive
+  // per request did this before: a receive that failed with EAGAIN on every request, an
+  // operation allocated and a cancellation, about 4 % of the proxy's CPU per request.)
+  // Events name the session by id; the session's strand then fires the running handler's
+  // client_gone() or, between requests, leaves it to the session's next read, which sees the end
+  // of stream itself (Asio's own registration of the socket gets its edge).
+  void hup_wait() {
+    hup->async_wait(net::posix::stream_descriptor::wait_read, [this](const error_code& ec) {
+      if (ec) return;  // closed by stop(); touches nothing of the server
+      epoll_event evs[64];
+      for (;;) {
+        const int n = ::epoll_wait(hup->native_handle(), evs, 64, 0);
+        for (int i = 0; i < n; ++i) hup_seen(evs[i].data.u64);
+        if (n < 64) break;
+      }
+      hup_wait();
+    });
+  }
+
+  void hup_seen(std::uint64_t id) {
+    std::shared_ptr<Session> s;
+    {
+      std::lock_guard lk(mu);
+      auto it = sessions.find(id);
+      if (it != sessions.end()) s = it->second.lock();
+    }
+    if (!s) return;
+    net::post(s->sock.get_executor(), [s] {
+      if (s->closed || s->peer_gone) return;
+      s->peer_gone = true;
+      if (s->active_writer) s->active_writer->client_gone().fire();
+    });
+  }
+
+  // Under `mu`, with the session just entered in `sessions`.
+  void hup_add(Session& s, std::uint64_t id) {
+    if (!hup || !hup->is_open()) return;  // stopping
+    epoll_event ev{};
+    ev.events = EPOLLRDHUP | EPOLLET;
+    ev.data.u64 = id;
+    if (::epoll_ctl(hup->native_handle(), EPOLL_CTL_ADD, s.sock.native_handle(), &ev) != 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_hup_warning > std::chrono::seconds(1)) {
+        last_hup_warning = now;
+        LS_LOG_WARN("http", "cannot watch connection {} for hang-ups ({}): a client leaving mid-request goes unnoticed",
+                    id, std::strerror(errno));
+      }
+    }
   }
 
   // Answers and closes. Lingering close: the client may still be sending a body we refused (413);
@@ -608,9 +643,10 @@ class Server::Impl {
         LS_LOG_DEBUG("http", "session {} read request", id);
         const bool keep_alive = keep_alive_asked && !stopping.load();
         Writer w(*s, keep_alive, req.method == "HEAD", opts.write_timeout_s, head_buf);
-        auto ws = std::make_shared<WatchState>();
         active.fetch_add(1);
-        watch(s, ws, &w);
+        s->active_writer = &w;
+        // Gone before its handler started (a FIN right behind the request): as if it left now.
+        if (s->peer_gone) w.client_gone().fire();
         std::string failure;
         try {
           co_await handler(req, w);
@@ -626,14 +662,13 @@ class Server::Impl {
           if (!w.started()) co_await w.send(std::move(r));
           else if (!w.done()) w.abort();
         }
-        ws->active = false;
-        s->sock.cancel(ec);
+        s->active_writer = nullptr;
         s->busy = false;
         if (active.fetch_sub(1) == 1) {
           std::lock_guard lk(mu);
           cv.notify_all();
         }
-        if (w.must_close() || ws->ended || stopping.load()) break;
+        if (w.must_close() || s->peer_gone || stopping.load()) break;
       }
     } catch (const std::exception& e) {
       LS_LOG_DEBUG("http", "session ended: {}", e.what());
@@ -671,6 +706,10 @@ void Server::start() {
                                     Impl::kLingerSeconds});
   I.sweep_tick = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(std::clamp(shortest / 8, 0.005, 0.25)));
+  const int hup_fd = ::epoll_create1(EPOLL_CLOEXEC);
+  if (hup_fd < 0) throw_env("cannot create the hang-up watch's epoll set: {}", std::strerror(errno));
+  I.hup.emplace(net::make_strand(I.ioc), hup_fd);
+  I.hup_wait();
   net::co_spawn(I.ioc, I.accept_loop(), net::detached);
   net::co_spawn(net::make_strand(I.ioc), I.sweep_loop(), net::detached);
   // On the caller's io_context, the caller's thread runs it.
@@ -726,11 +765,26 @@ void Server::stop(double grace_s) {
       gone.set_value();
     });
     gone.get_future().wait();
+    if (I.hup) {  // the same for the hang-up watch, on its strand
+      std::promise<void> hup_gone;
+      net::post(I.hup->get_executor(), [&I, &hup_gone] {
+        std::lock_guard lk(I.mu);
+        I.hup.reset();
+        hup_gone.set_value();
+      });
+      hup_gone.get_future().wait();
+    }
   } else {
     net::post(I.ioc, [&I] {
       error_code ec;
       if (I.acceptor) I.acceptor->close(ec);
     });
+    if (I.hup)
+      net::post(I.hup->get_executor(), [&I] {
+        std::lock_guard lk(I.mu);
+        error_code ec;
+        I.hup->close(ec);
+      });
   }
   // Idle keep-alive connections stay open while in-flight requests finish: a request that
   // arrives on one now is answered 503 (Connection: close, Retry-After) instead of meeting a close

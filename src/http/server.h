@@ -12,8 +12,9 @@
 // (an eighth of the shortest timeout, 5-250 ms).
 // Connections: at most max_connections open; past it a new one is answered 503 and closed. An
 // accept that fails (out of descriptors) is retried after 50 ms, logged at most once a second.
-// Client disconnect: while the handler runs, a one-byte peeking receive on the socket notices the
-// peer closing (also before any response byte) and fires ResponseWriter::client_gone().
+// Client disconnect: every connection is in an epoll set of the server's (EPOLLRDHUP only, so no
+// system call per request); the peer closing or resetting while the handler runs (also before any
+// response byte) fires ResponseWriter::client_gone().
 // Shutdown: stop() closes the acceptor and idle connections, lets running requests finish (their
 // connections then close) for up to `grace` seconds, then closes everything and joins the threads.
 // A server may instead run on an io_context of the caller's (ServerOptions::io), shared with other

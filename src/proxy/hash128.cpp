@@ -1,69 +1,65 @@
-// SipHash-1-3 with a 128-bit output (Aumasson & Bernstein; the 128-bit variant's constants 0xee
-// and 0xdd). One compression round per word keeps prompt hashing at roughly 1 byte/cycle.
+// XXH3-128 keyed by a secret (proxy.md §3.2 names XXH3-128 as the default H). xxHash is used from
+// its header with every function inlined (XXH_INLINE_ALL): nothing to link, nothing for a machine
+// that runs the binary to have installed. The secret is 192 bytes derived from 128 bits of the
+// kernel's random generator drawn at start-up, so a client that never sees a hash cannot aim
+// prompts at one another's blocks. On prompt blocks (145 bytes for 16 token ids) it is several times faster than the SipHash-1-3 it
+// replaced, which had become 4 % of the proxy's CPU per request.
 #include "proxy/hash128.h"
 
-#include <cstring>
+#include <sys/random.h>
 
-#include "util/files.h"
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 namespace lorasync::proxy {
 namespace {
 
-struct Key {
-  std::uint64_t k0, k1;
+constexpr std::size_t kSecretSize = 192;
+static_assert(kSecretSize >= XXH3_SECRET_SIZE_MIN);
+
+struct Secret {
+  alignas(64) unsigned char bytes[kSecretSize];
 };
 
-Key random_key() {
-  std::string hex = random_hex(16);
-  Key k{};
-  k.k0 = std::stoull(hex.substr(0, 16), nullptr, 16);
-  k.k1 = std::stoull(hex.substr(16, 16), nullptr, 16);
-  return k;
+Secret derive(std::uint64_t k0, std::uint64_t k1) {
+  Secret s{};
+  const std::uint64_t seed[2] = {k0, k1};
+  if (XXH3_generateSecret(s.bytes, sizeof s.bytes, seed, sizeof seed) != XXH_OK) std::abort();
+  return s;
 }
 
-Key g_key = random_key();
+// 128 bits from the kernel's generator. (random_hex(), which this used before, draws from a
+// Mersenne Twister seeded with 32 bits: a key any client could enumerate.)
+Secret random_secret() {
+  std::uint64_t k[2] = {0, 0};
+  auto* p = reinterpret_cast<unsigned char*>(k);
+  std::size_t got = 0;
+  while (got < sizeof k) {
+    const ssize_t n = ::getrandom(p + got, sizeof k - got, 0);
+    if (n > 0) got += static_cast<std::size_t>(n);
+    else if (errno != EINTR) break;
+  }
+  if (got < sizeof k) {  // no getrandom (a kernel before 3.17): the C++ library's device, 32 bits a draw
+    std::random_device rd;
+    for (auto& w : k) w = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+  }
+  return derive(k[0], k[1]);
+}
 
-inline std::uint64_t rotl(std::uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
-
-#define SIPROUND                                                    \
-  do {                                                              \
-    v0 += v1; v1 = rotl(v1, 13); v1 ^= v0; v0 = rotl(v0, 32);       \
-    v2 += v3; v3 = rotl(v3, 16); v3 ^= v2;                          \
-    v0 += v3; v3 = rotl(v3, 21); v3 ^= v0;                          \
-    v2 += v1; v1 = rotl(v1, 17); v1 ^= v2; v2 = rotl(v2, 32);       \
-  } while (0)
+Secret g_secret = random_secret();
 
 }  // namespace
 
-void set_hash_key(std::uint64_t k0, std::uint64_t k1) { g_key = {k0, k1}; }
+void set_hash_key(std::uint64_t k0, std::uint64_t k1) { g_secret = derive(k0, k1); }
 
 Hash128 hash128(const void* data, std::size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  std::uint64_t v0 = g_key.k0 ^ 0x736f6d6570736575ULL, v1 = g_key.k1 ^ 0x646f72616e646f6dULL,
-                v2 = g_key.k0 ^ 0x6c7967656e657261ULL, v3 = g_key.k1 ^ 0x7465646279746573ULL;
-  v1 ^= 0xee;
-  const std::size_t n_words = n / 8;
-  for (std::size_t i = 0; i < n_words; ++i) {
-    std::uint64_t m;
-    std::memcpy(&m, p + 8 * i, 8);  // little-endian hosts (x86-64, aarch64)
-    v3 ^= m;
-    SIPROUND;
-    v0 ^= m;
-  }
-  std::uint64_t b = static_cast<std::uint64_t>(n) << 56;
-  const unsigned char* tail = p + 8 * n_words;
-  for (std::size_t i = 0; i < (n & 7); ++i) b |= static_cast<std::uint64_t>(tail[i]) << (8 * i);
-  v3 ^= b;
-  SIPROUND;
-  v0 ^= b;
-  v2 ^= 0xee;
-  SIPROUND; SIPROUND; SIPROUND;
-  Hash128 h;
-  h.lo = v0 ^ v1 ^ v2 ^ v3;
-  v1 ^= 0xdd;
-  SIPROUND; SIPROUND; SIPROUND;
-  h.hi = v0 ^ v1 ^ v2 ^ v3;
-  return h;
+  const XXH128_hash_t h = XXH3_128bits_withSecret(data, n, g_secret.bytes, sizeof g_secret.bytes);
+  return Hash128{h.low64, h.high64};
 }
 
 }  // namespace lorasync::proxy

@@ -9,6 +9,8 @@
 #include <boost/asio/redirect_error.hpp>
 
 #include <algorithm>
+#include <charconv>
+#include <cstring>
 #include <random>
 #include <thread>
 
@@ -154,10 +156,22 @@ http::Headers Proxy::Impl::upstream_headers(const http::Request& req, const std:
   return h;
 }
 
-std::string Proxy::Impl::request_id(const http::Request& req) {
-  if (const auto* x = req.headers.find("x-request-id"); x && !x->empty() && x->size() <= 128 && is_visible_ascii(*x))
-    return *x;
-  return http::random_request_id();
+Proxy::Impl::RequestId Proxy::Impl::request_id(const http::Request& req) {
+  RequestId id;
+  if (const auto* x = req.headers.find("x-request-id"); x && !x->empty() && x->size() <= sizeof id.buf && is_visible_ascii(*x)) {
+    std::memcpy(id.buf, x->data(), x->size());
+    id.n = static_cast<std::uint8_t>(x->size());
+    return id;
+  }
+  // 128 random bits in hex, as http::random_request_id() draws them, without its string.
+  static thread_local std::mt19937_64 gen{std::random_device{}()};
+  static constexpr char kHex[] = "0123456789abcdef";
+  for (int half = 0; half < 2; ++half) {
+    std::uint64_t bits = gen();
+    for (int i = 0; i < 16; ++i, bits >>= 4) id.buf[16 * half + i] = kHex[bits & 15];
+  }
+  id.n = 32;
+  return id;
 }
 
 bool Proxy::Impl::authorized(const http::Request& req) const {
@@ -187,7 +201,8 @@ http::Task<void> Proxy::Impl::handle(http::Request& req, http::ResponseWriter& w
 
 http::Task<void> Proxy::Impl::handle_other(http::Request& req, http::ResponseWriter& w) {
   const auto t0 = Clock::now();
-  const std::string rid = request_id(req);
+  const RequestId rid_id = request_id(req);
+  const std::string rid(rid_id.view());
   const std::string path(req.path());
   std::string route = "other";
   int code = 0;
@@ -219,11 +234,11 @@ http::Task<void> Proxy::Impl::handle_other(http::Request& req, http::ResponseWri
         http::Response r = err(415, "compressed request bodies are not accepted on routed paths (Content-Encoding: " + *ce + ")");
         co_await reply(std::move(r));
       } else {
-        co_await handle_relay(req, w, true, rid);
+        co_await handle_relay(req, w, true, rid_id);
         code = -1;
       }
     } else {
-      co_await handle_relay(req, w, false, rid);
+      co_await handle_relay(req, w, false, rid_id);
       code = -1;
     }
   } else if (path == "/v1/load_lora_adapter") {
@@ -272,7 +287,7 @@ http::Task<void> Proxy::Impl::handle_other(http::Request& req, http::ResponseWri
       co_await reply(std::move(r));
     }
   } else {
-    co_await handle_relay(req, w, false, rid);
+    co_await handle_relay(req, w, false, rid_id);
     code = -1;
   }
   // (A relayed request, code -1, counted itself in handle_relay.)
@@ -285,8 +300,9 @@ http::Task<void> Proxy::Impl::handle_other(http::Request& req, http::ResponseWri
 
 // Routed (routed = true) or forwarded request: pick, call, retry before the first byte, relay.
 http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWriter& w, bool routed,
-                                           std::string rid) {
+                                           RequestId rid_id) {
   const auto t0 = Clock::now();
+  const std::string_view rid = rid_id.view();
   const int route_index = routed ? (req.path() == "/v1/completions" ? 0 : 1) : 2;
   const char* const route = kRelayRoutes[route_index];
   RouteCells& cells = route_cells[route_index];
@@ -296,7 +312,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
   };
   auto send_error = [&](int status, const std::string& msg, const std::string& param = {}) -> http::Task<void> {
     auto r = http::error_response(status, "proxy: " + redact(msg), param, status >= 500 ? "proxy_error" : "");
-    r.headers.add("X-Request-Id", rid);
+    r.headers.add("X-Request-Id", std::string(rid));
     finish_code(status);
     co_await w.send(std::move(r));
   };
@@ -370,7 +386,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
         http::Response r;
         r.status = last_5xx->status;
         r.headers = http::strip_hop_by_hop(last_5xx->headers);
-        r.headers.set("X-Request-Id", rid);
+        r.headers.set("X-Request-Id", std::string(rid));
         r.headers.set("X-Proxy-Attempts", std::to_string(attempts));
         r.body = std::move(last_5xx->body);
         finish_code(r.status);
@@ -487,12 +503,18 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     }
     // Relay. The head is built from thread-local scratch headers (their strings keep their
     // capacity from request to request): start() copies them before it first suspends.
+    // The proxy's own fields go into the same recycled strings (added with add(), their names of
+    // 16 bytes were an allocation each per request).
     thread_local http::Headers h;
-    http::strip_hop_by_hop(up.headers(), h);
-    h.remove("content-length");
-    h.set("X-Request-Id", rid);
-    h.add("X-Proxy-Upstream", std::to_string(pick));
-    h.add("X-Proxy-Attempts", std::to_string(attempts));
+    static constexpr std::string_view kDropped[] = {"content-length", "x-request-id"};
+    char upstream_digits[4], attempts_digits[12];
+    const auto up_end = std::to_chars(upstream_digits, upstream_digits + sizeof upstream_digits, pick).ptr;
+    const auto at_end = std::to_chars(attempts_digits, attempts_digits + sizeof attempts_digits, attempts).ptr;
+    const std::pair<std::string_view, std::string_view> mine[] = {
+        {"X-Request-Id", rid},
+        {"X-Proxy-Upstream", std::string_view(upstream_digits, static_cast<std::size_t>(up_end - upstream_digits))},
+        {"X-Proxy-Attempts", std::string_view(attempts_digits, static_cast<std::size_t>(at_end - attempts_digits))}};
+    http::strip_hop_by_hop(up.headers(), h, kDropped, mine);
     CachedTokensScanner cached;
     std::optional<std::uint64_t> cached_hdr;
     if (!cfg.cached_tokens_header.empty())

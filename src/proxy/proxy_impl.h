@@ -128,9 +128,16 @@ class Proxy::Impl {
   // proxy.cpp
   http::Task<void> handle(http::Request& req, http::ResponseWriter& w);
   http::Task<void> handle_other(http::Request& req, http::ResponseWriter& w);
+  // A request's id held inline: a usable X-Request-Id (at most 128 characters) or 128 random bits
+  // in hex. (As a std::string, 32 characters were a heap allocation per request.)
+  struct RequestId {
+    char buf[128];
+    std::uint8_t n = 0;
+    std::string_view view() const { return {buf, n}; }
+  };
   // `rid` by value: the coroutine keeps its own copy (its caller may return before it ends).
-  http::Task<void> handle_relay(http::Request& req, http::ResponseWriter& w, bool routed, std::string rid);
-  static std::string request_id(const http::Request& req);  // X-Request-Id if usable, else a new one
+  http::Task<void> handle_relay(http::Request& req, http::ResponseWriter& w, bool routed, RequestId rid);
+  static RequestId request_id(const http::Request& req);  // X-Request-Id if usable, else a new one
   bool authorized(const http::Request& req) const;            // the API key, when one is set
   http::Headers upstream_headers(const http::Request& req, const std::string& rid) const;
   std::string redact(std::string s) const;

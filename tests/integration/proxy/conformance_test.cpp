@@ -168,6 +168,22 @@ TEST(ProxyConformance, BroadcastsFanInAndPrimary) {
   ASSERT_EQ(reused.size(), 2u);
   EXPECT_EQ(reused.items()[0].name, "A");
   EXPECT_EQ(reused.items()[1].value, std::string(64, 'b'));
+  // Names to leave out (any case) and fields to append, in the same reused strings: what the relay
+  // sends its client (the upstream's own X-Request-Id and Content-Length never cross).
+  http::Headers up;
+  up.add("Content-Length", "12");
+  up.add("x-REQUEST-id", "upstream-id");
+  up.add("Content-Type", "application/json");
+  up.add("Connection", "close");
+  static constexpr std::string_view kDrop[] = {"content-length", "x-request-id"};
+  const std::pair<std::string_view, std::string_view> mine[] = {{"X-Request-Id", "r1"}, {"X-Proxy-Upstream", "0"}};
+  http::strip_hop_by_hop(up, reused, kDrop, mine);
+  ASSERT_EQ(reused.size(), 3u);
+  EXPECT_EQ(reused.items()[0].name, "Content-Type");
+  EXPECT_EQ(reused.items()[1].name, "X-Request-Id");
+  EXPECT_EQ(reused.items()[1].value, "r1");
+  EXPECT_EQ(reused.items()[2].name, "X-Proxy-Upstream");
+  EXPECT_EQ(reused.items()[2].value, "0");
   int cookies = 0;
   for (const auto& x : si.headers) cookies += http::iequals(x.name, "set-cookie");
   EXPECT_EQ(cookies, 2);

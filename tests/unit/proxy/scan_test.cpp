@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
+#include <set>
 
 #include "proxy/prompt_scan.h"
 
@@ -35,6 +36,30 @@ std::string ids(int n, int base = 0) {
     s += std::to_string(base + i);
   }
   return s + "]";
+}
+
+// H (XXH3-128 with a secret derived from the key): the same key gives the same hashes, another key
+// other ones, and distinct inputs (every length 0-300, one byte changed) do not collide.
+TEST(Hash128, KeyedDeterministicAndCollisionFreeOnNearInputs) {
+  std::string buf(300, '\0');
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<char>(i * 7);
+  set_hash_key(1, 2);
+  const Hash128 a = hash128(buf);
+  set_hash_key(1, 3);
+  const Hash128 b = hash128(buf);
+  set_hash_key(1, 2);
+  EXPECT_EQ(hash128(buf), a);
+  EXPECT_NE(a, b);
+  std::set<std::pair<std::uint64_t, std::uint64_t>> seen;
+  for (std::size_t n = 0; n <= buf.size(); ++n) {
+    std::string s = buf.substr(0, n);
+    EXPECT_TRUE(seen.insert({hash128(s).lo, hash128(s).hi}).second) << n;
+    for (std::size_t i = 0; i < n; i += 13) {
+      std::string t = s;
+      t[i] = static_cast<char>(t[i] ^ 1);
+      EXPECT_TRUE(seen.insert({hash128(t).lo, hash128(t).hi}).second) << n << " " << i;
+    }
+  }
 }
 
 TEST(Scan, WholeBlocksOnly) {
