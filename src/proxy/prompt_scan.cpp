@@ -8,6 +8,10 @@
 #include <cstring>
 #include <memory>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <fmt/format.h>
 #include <limits>
 
@@ -50,6 +54,16 @@ void append_utf8(std::uint32_t cp, std::string& out) {
   }
 }
 
+// The value of the n (1-8) ASCII digits in the low bytes of x (little-endian: the first digit in
+// the lowest byte): the digits moved to the top bytes (zero bytes, i.e. leading zeros, below
+// them), then pairs, quads and the eight combined by multiplies.
+inline std::uint64_t swar_digits(std::uint64_t x, int n) {
+  std::uint64_t t = n == 8 ? x : x << (8 * (8 - n));
+  t = ((t & 0x0F0F0F0F0F0F0F0FULL) * 2561) >> 8;
+  t = ((t & 0x00FF00FF00FF00FFULL) * 6553601) >> 16;
+  return ((t & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32;
+}
+
 // Parses one validated JSON integer token at p (no fraction/exponent). False if it is not an
 // integer within int64.
 bool parse_int64(const char*& p, const char* e, std::int64_t& v) {
@@ -76,12 +90,7 @@ bool parse_int64(const char*& p, const char* e, std::int64_t& v) {
     const std::uint64_t bad = ((x & kF0) ^ k30) | (((x + 0x0606060606060606ULL) & kF0) ^ k30);
     const int n = bad == 0 ? 8 : std::countr_zero(bad) / 8;
     if (n > 0) {
-      // The n digits moved to the top bytes (zero bytes, i.e. leading zeros, below them), then
-      // pairs, quads and the eight combined by multiplies.
-      std::uint64_t t = n == 8 ? x : x << (8 * (8 - n));
-      t = ((t & 0x0F0F0F0F0F0F0F0FULL) * 2561) >> 8;
-      t = ((t & 0x00FF00FF00FF00FFULL) * 6553601) >> 16;
-      acc = ((t & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32;
+      acc = swar_digits(x, n);
       p += n;
     }
   }
@@ -163,20 +172,104 @@ class Validator {
     ++p_;  // '['
     for (;;) {
       ws();
-      const char* const digits = p_ < end_ && *p_ == '-' ? p_ + 1 : p_;
-      const bool leading_zero = digits + 1 < end_ && digits[0] == '0' && digits[1] >= '0' && digits[1] <= '9';
-      std::int64_t v = 0;
-      if (leading_zero || !parse_int64(p_, end_, v)) {
-        p_ = start;
-        return false;
+      if (fast_tokens(out) == 0) {  // one token the slow way: a sign, a long one, a refusal, the tail
+        const char* const digits = p_ < end_ && *p_ == '-' ? p_ + 1 : p_;
+        const bool leading_zero = digits + 1 < end_ && digits[0] == '0' && digits[1] >= '0' && digits[1] <= '9';
+        std::int64_t v = 0;
+        if (leading_zero || !parse_int64(p_, end_, v)) {
+          p_ = start;
+          return false;
+        }
+        out.push_back(v);
       }
-      out.push_back(v);
       const int next = after_element(']');
       if (next > 0) continue;
       if (next == 0) return true;
       p_ = start;
       return false;
     }
+  }
+
+  // The common run of a token-id prompt, 64 bytes at a time: non-negative ids of 1-8 digits
+  // separated by "," or ", " (what JSON encoders write). Bit masks of the window's digits, commas
+  // and spaces give every token's start and end at once, so the tokens convert independently of
+  // one another (token by token, each next start waited on the previous one's length). Starts at
+  // a token; consumes whole tokens and the separators between them and stops after a token (the
+  // caller's after_element() then takes what follows). Anything unusual stops it before the
+  // window: a sign, a leading zero, a longer id, other whitespace, ",," or a window that is not
+  // all digits, commas and spaces before its first other byte. Returns the tokens appended.
+  std::size_t fast_tokens(std::vector<std::int64_t>& out) {
+#if defined(__SSE2__)
+    std::size_t total = 0;
+    const char* after_last = p_;  // just after the last token appended
+    // Stops: back to just after the last token appended (none: p_ is where it was).
+    const auto stop = [&] {
+      if (total > 0) p_ = after_last;
+      return total;
+    };
+    // 64 bytes of window and 8 beyond, so that every 8-byte load of a token in it is in bounds.
+    while (end_ - p_ >= 72) {
+      const char* const q = p_;  // at a token's first byte
+      std::uint64_t dig = 0, com = 0, spc = 0, zer = 0;
+      for (int k = 0; k < 4; ++k) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * k));
+        // '0'-'9' as signed bytes: greater than '0' - 1 and less than '9' + 1.
+        const __m128i d = _mm_and_si128(_mm_cmpgt_epi8(v, _mm_set1_epi8('0' - 1)), _mm_cmplt_epi8(v, _mm_set1_epi8('9' + 1)));
+        const auto bits = [](__m128i m) { return static_cast<std::uint64_t>(static_cast<std::uint16_t>(_mm_movemask_epi8(m))); };
+        dig |= bits(d) << (16 * k);
+        com |= bits(_mm_cmpeq_epi8(v, _mm_set1_epi8(','))) << (16 * k);
+        spc |= bits(_mm_cmpeq_epi8(v, _mm_set1_epi8(' '))) << (16 * k);
+        zer |= bits(_mm_cmpeq_epi8(v, _mm_set1_epi8('0'))) << (16 * k);
+      }
+      if ((dig & 1) == 0) return stop();  // not an id here (a sign, say)
+      const std::uint64_t other = ~(dig | com | spc);
+      const int limit = other ? std::countr_zero(other) : 64;  // bytes [0, limit): digits, commas, spaces
+      const std::uint64_t in = limit == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << limit) - 1;
+      // A token ends where the next byte is no digit; at bit 63 the next byte is beyond the window.
+      std::uint64_t ends = dig & in & ~(dig >> 1);
+      if (limit == 64) ends &= ~(std::uint64_t{1} << 63);
+      if (ends == 0) return stop();
+      const int last = 63 - std::countl_zero(ends);
+      const std::uint64_t upto = last == 63 ? ~std::uint64_t{0} : (std::uint64_t{2} << last) - 1;
+      const std::uint64_t starts = dig & ~(dig << 1) & upto;
+      // Separators "," or ", " only: a comma follows a digit, a space follows a comma, and a token
+      // (past the first) follows a comma or a space. So a separator holds exactly one comma.
+      if (((com & upto) & ~(dig << 1)) != 0 || ((spc & upto) & ~(com << 1)) != 0 ||
+          ((starts & ~std::uint64_t{1}) & ~((com | spc) << 1)) != 0)
+        return stop();
+      if ((starts & zer & (dig >> 1)) != 0) return stop();  // a leading zero: the slow path refuses it
+      const std::size_t base = out.size();
+      out.resize(base + static_cast<std::size_t>(std::popcount(starts)));
+      std::int64_t* const dst = out.data() + base;
+      std::size_t got = 0;
+      for (std::uint64_t st = starts; st != 0; st &= st - 1) {
+        const int b = std::countr_zero(st);
+        const int len = std::countr_zero(ends >> b) + 1;
+        if (len > 8) {  // a longer id: stop before it (the slow path parses it)
+          out.resize(base + got);
+          total += got;
+          return stop();
+        }
+        std::uint64_t x;
+        std::memcpy(&x, q + b, 8);
+        dst[got++] = static_cast<std::int64_t>(swar_digits(x, len));
+        after_last = q + b + len;
+      }
+      total += got;
+      // On to the next window if the separator after its last token is plain; else the caller
+      // takes it from after that token.
+      const char* t = q + last + 1;
+      if (t < end_ && *t == ',') ++t;
+      else return stop();
+      if (t < end_ && *t == ' ') ++t;
+      if (!(t < end_ && *t >= '0' && *t <= '9')) return stop();
+      p_ = t;
+    }
+    return stop();
+#else
+    (void)out;
+    return 0;
+#endif
   }
 
   // The top-level object, recording values of interesting keys (last wins). With `ids`, the

@@ -167,6 +167,65 @@ TEST(Scan, TokenIdsReadInTheValidatingPassGiveTheFormulasBlocks) {
   EXPECT_EQ(scan_ok(R"({"messages":)" + ids16 + "}").blocks, formula_blocks("", v16, 16));
 }
 
+// The scanner's fast run (64-byte windows of ids separated by "," or ", ") against the formula:
+// long arrays in both layouts, aligned anywhere, with one disturbance somewhere in some of them
+// (a sign, 8-19 digits, other whitespace, which hand over to the slow path; a leading zero, ",,"
+// or a fraction, which must be refused as before).
+TEST(Scan, TheFastRunOfIdsGivesTheFormulasBlocksAndRefusesWhatTheSlowPathRefuses) {
+  std::mt19937_64 rng(11);
+  const auto number = [&](int digits) {
+    std::int64_t x = static_cast<std::int64_t>(1 + rng() % (digits == 19 ? 8 : 9));
+    for (int d = 1; d < digits; ++d) x = x * 10 + static_cast<std::int64_t>(rng() % 10);
+    return x;
+  };
+  int refused = 0, accepted = 0;
+  for (int it = 0; it < 600; ++it) {
+    const std::size_t bs = 1 + rng() % 20;
+    const bool spaced = rng() % 2;
+    std::vector<std::int64_t> v(40 + 2 * (rng() % 300));  // (an even count: `at | 1` is an index)
+    std::vector<std::string> toks(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      v[i] = rng() % 10 == 0 ? static_cast<std::int64_t>(rng() % 10) : number(1 + static_cast<int>(rng() % 7));
+      toks[i] = std::to_string(v[i]);
+    }
+    const std::size_t at = rng() % v.size();
+    std::string sep_at = spaced ? ", " : ",";
+    bool valid = true;
+    switch (it % 10) {
+      case 0: v[at] = -number(1 + static_cast<int>(rng() % 6)); toks[at] = std::to_string(v[at]); break;
+      case 1: v[at] = number(8 + static_cast<int>(rng() % 12)); toks[at] = std::to_string(v[at]); break;
+      case 2: sep_at = rng() % 2 ? ",\n" : (rng() % 2 ? " , " : ",  "); break;
+      case 3: toks[at] = "0" + std::to_string(1 + rng() % 9); valid = false; break;  // a leading zero
+      case 4: sep_at = ",,"; valid = v.size() == at + 1; break;  // (after the last id it is no separator)
+      case 5: toks[at | 1] += ".5"; valid = false; break;  // (a fraction first would make it no ids)
+      case 6: v[at] = number(8); toks[at] = std::to_string(v[at]); break;  // the longest fast id
+      default: break;
+    }
+    std::string arr = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      arr += toks[i];
+      if (i + 1 < v.size()) arr += i == at ? sep_at : (spaced ? ", " : ",");
+    }
+    arr += "]";
+    const std::string model(rng() % 70, 'm');  // shifts the array against the windows
+    const std::string body = R"({"model":")" + model + R"(","prompt":)" + arr + R"(,"max_tokens":8})";
+    PromptScan sc;
+    const auto err = scan_routed_request(body, bs, sc);
+    if (!valid) {
+      EXPECT_TRUE(err.has_value()) << body;
+      ++refused;
+      continue;
+    }
+    ASSERT_FALSE(err.has_value()) << err->message << "\n" << body;
+    ++accepted;
+    EXPECT_EQ(sc.kind, PromptKind::kTokenIds) << body;
+    EXPECT_EQ(sc.n_units, v.size()) << body;
+    EXPECT_EQ(sc.blocks, formula_blocks(model, v, bs)) << body;
+  }
+  EXPECT_GT(refused, 100);
+  EXPECT_GT(accepted, 300);
+}
+
 TEST(Scan, ChainedAndModelSeeded) {
   auto a = scan_ok(R"({"model":"policy-v1","prompt":)" + ids(48) + "}");
   auto b = scan_ok(R"({"model":"policy-v2","prompt":)" + ids(48) + "}");
