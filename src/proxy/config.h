@@ -23,7 +23,7 @@ struct ProxyConfig {
   bool strict_broadcast = false;               // broadcasts target all replicas, not only in service
   std::int64_t block_size = 16;                // ids per block (text: 4x bytes)
   std::int64_t imbalance = 8;                  // max load difference for an affinity pick
-  double spill_wait = 0.005;                   // s a would-be imbalance spill waits for the loads to even out
+  double spill_wait = 0.002;                   // s a would-be imbalance spill waits for the loads to even out
   std::int64_t max_tracked_blocks = 500000;    // ownership table bound
   double adapter_retry_interval = 0.5;         // s between "No adapter found" retries
   double adapter_load_deadline = 300;          // s for one load across the fleet
