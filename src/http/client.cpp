@@ -600,20 +600,11 @@ Task<CallResult> Pool::call(const OutRequest& rq, const CallOptions& o) {
     }
     auto& msg = impl->parser->get();
     impl->status = static_cast<int>(msg.result_int());
-    auto& items = impl->headers.items();  // recycled: assigned in place
-    std::size_t k = 0;
-    for (const auto& f : msg) {
-      const std::string_view name(f.name_string().data(), f.name_string().size());
-      const std::string_view value(f.value().data(), f.value().size());
-      if (k < items.size()) {
-        items[k].name.assign(name);
-        items[k].value.assign(value);
-      } else {
-        items.push_back({std::string(name), std::string(value)});
-      }
-      ++k;
-    }
-    items.erase(items.begin() + static_cast<std::ptrdiff_t>(k), items.end());
+    std::size_t k = 0;  // the recycled headers, assigned in place
+    for (const auto& f : msg)
+      impl->headers.put_at(k++, std::string_view(f.name_string().data(), f.name_string().size()),
+                           std::string_view(f.value().data(), f.value().size()));
+    impl->headers.truncate(k);
     out.response = std::make_unique<ResponseStream>(std::move(impl));
     co_return out;
   }

@@ -136,7 +136,6 @@ void strip_hop_by_hop(const Headers& in, Headers& out, std::span<const std::stri
         v.remove_prefix(c + 1);
       }
     }
-  auto& items = out.items();
   std::size_t k = 0;
   for (const auto& h : in) {
     if (is_hop_by_hop(h.name)) continue;
@@ -144,24 +143,19 @@ void strip_hop_by_hop(const Headers& in, Headers& out, std::span<const std::stri
     for (const auto& l : listed) named |= iequals(l, h.name);
     for (const auto& d : drop) named |= iequals(d, h.name);
     if (named) continue;
-    if (k < items.size()) {
-      items[k].name.assign(h.name);
-      items[k].value.assign(h.value);
-    } else {
-      items.push_back(h);
-    }
-    ++k;
+    out.put_at(k++, h.name, h.value);
   }
-  for (const auto& [name, value] : append) {
-    if (k < items.size()) {
-      items[k].name.assign(name);
-      items[k].value.assign(value);
-    } else {
-      items.push_back(Header{std::string(name), std::string(value)});
-    }
-    ++k;
+  for (const auto& [name, value] : append) out.put_at(k++, name, value);
+  out.truncate(k);
+}
+
+void Headers::put_at(std::size_t k, std::string_view name, std::string_view value) {
+  if (k < items_.size()) {
+    items_[k].name.assign(name);
+    items_[k].value.assign(value);
+  } else {
+    items_.push_back(Header{std::string(name), std::string(value)});
   }
-  items.erase(items.begin() + static_cast<std::ptrdiff_t>(k), items.end());
 }
 
 bool listed_in_connection(const Headers& in, std::string_view name) {

@@ -29,6 +29,11 @@ class Headers {
   void add(std::string name, std::string value) { items_.push_back({std::move(name), std::move(value)}); }
   // Replaces every header of that name with one.
   void set(std::string_view name, std::string value);
+  // Entry k becomes (name, value), reusing its strings' capacity, or is appended when k == size();
+  // then truncate(n) drops what lies past n. Headers kept from call to call are thus copied into
+  // without allocating once their strings are large enough.
+  void put_at(std::size_t k, std::string_view name, std::string_view value);
+  void truncate(std::size_t n) { items_.erase(items_.begin() + static_cast<std::ptrdiff_t>(n), items_.end()); }
   void remove(std::string_view name);
   // First value of `name`, or nullptr.
   const std::string* find(std::string_view name) const;

@@ -594,18 +594,9 @@ class Server::Impl {
         req.method.assign(head.method);
         req.target.assign(head.target);
         {
-          auto& items = req.headers.items();
           std::size_t k = 0;
-          for (const auto& [name, value] : head.fields) {
-            if (k < items.size()) {
-              items[k].name.assign(name);
-              items[k].value.assign(value);
-            } else {
-              items.push_back(Header{std::string(name), std::string(value)});
-            }
-            ++k;
-          }
-          items.erase(items.begin() + static_cast<std::ptrdiff_t>(k), items.end());
+          for (const auto& [name, value] : head.fields) req.headers.put_at(k++, name, value);
+          req.headers.truncate(k);
         }
         req.body.clear();
         const bool keep_alive_asked = head.keep_alive;

@@ -369,8 +369,19 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
             spill_deadline = td + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.spill_wait));
           const int owner = d.pick;
           Notifier& released = replicas[static_cast<std::size_t>(owner)]->load_released;
-          co_await released.wait_until([this, owner, eligible] { return router.within_imbalance(owner, eligible); },
-                                       *spill_deadline);
+          // A client that leaves ends its wait at once (its departure is announced like a release;
+          // nothing was recorded for a deferred decision, so nothing is undone).
+          const http::CancelSignal::Id left = gone.subscribe([&released] { released.notify_all(); });
+          co_await released.wait_until(
+              [this, owner, eligible, &gone] { return gone.fired() || router.within_imbalance(owner, eligible); },
+              *spill_deadline);
+          gone.unsubscribe(left);
+          if (gone.fired()) {
+            client_aborts.fetch_add(1);
+            metrics.inc("client_aborts_total");
+            w.abort();
+            co_return;
+          }
           continue;
         }
         pick = d.pick;

@@ -82,6 +82,29 @@ TEST(ProxyConformance, AWouldBeSpillWaitsForItsReplicaAndSpillsOnlyWhenTheWaitEn
   }
 }
 
+// A client that leaves during its spill wait is noticed at once (not when the wait ends, nor at
+// the owner's next answer): the request is dropped without reaching any replica.
+TEST(ProxyConformance, AClientLeavingDuringItsSpillWaitEndsItAtOnce) {
+  Fleet f(2, [&](ProxyConfig& c) {
+    c.imbalance = 0;
+    c.spill_wait = 8.0;
+  });
+  for (auto& s : f.stubs) s->latency_s = 4.0;
+  std::thread first([&] { EXPECT_EQ(call(f.port(), "POST", "/v1/completions", ids_prompt({1, 2})).status, 200); });
+  ASSERT_TRUE(eventually([&] { return f.proxy->stats()["router"]["routed"].get<int>() == 1; }));
+  // The same prompt would spill (1 - 0 > --imbalance 0): it waits; its client gives up after 0.5 s.
+  const double t0 = now_seconds();
+  auto r = call(f.port(), "POST", "/v1/completions", ids_prompt({1, 2}), {}, 0.5);
+  EXPECT_NE(r.error, http::CallError::kNone);
+  EXPECT_TRUE(eventually([&] { return f.proxy->stats()["proxy"]["client_aborts"].get<int>() == 1; }, 1.5));
+  EXPECT_LT(now_seconds() - t0, 2.5) << "noticed before the owner's answer (4 s) and the wait's end (8 s)";
+  const auto router = f.proxy->stats()["router"];
+  EXPECT_EQ(router["routed"].get<int>(), 1);
+  EXPECT_EQ(router["spill_waits_kept"].get<int>() + router["spill_waits_spilled"].get<int>(), 0);
+  EXPECT_EQ(f.count(0, "/v1/completions") + f.count(1, "/v1/completions"), 1);
+  first.join();
+}
+
 // While a replica syncs, its health loop sleeps until the re-sync ends (no probe is due, no tick):
 // the process stays idle, where a loop that re-checked without waiting would burn a core.
 TEST(ProxyConformance, AHealthLoopSleepsWhileItsReplicaSyncs) {
