@@ -307,6 +307,7 @@ class Server::Impl {
   std::chrono::steady_clock::time_point last_accept_warning{};
   // The hang-up watch's epoll set (hup_wait), on a strand of its own; closed by stop() under `mu`.
   std::optional<net::posix::stream_descriptor> hup;
+  std::shared_ptr<bool> hup_live = std::make_shared<bool>(true);  // false once stop() closed it (its strand)
   std::chrono::steady_clock::time_point last_hup_warning{};  // under `mu`
   bool stop_started = false, stopped = false;
 
@@ -434,15 +435,20 @@ class Server::Impl {
   // client_gone() or, between requests, leaves it to the session's next read, which sees the end
   // of stream itself (Asio's own registration of the socket gets its edge).
   void hup_wait() {
-    hup->async_wait(net::posix::stream_descriptor::wait_read, [this](const error_code& ec) {
-      if (ec) return;  // closed by stop(); touches nothing of the server
+    hup->async_wait(net::posix::stream_descriptor::wait_read, [this, live = hup_live](const error_code& ec) {
+      // Closed or reset by stop(), on this strand: a wait that had completed before may still run
+      // after it (the server may be gone by then), so `live` is read before anything of the server.
+      if (ec || !*live) return;
+      // Re-armed before draining: with several I/O threads, a hang-up arriving between the last
+      // drain and a later re-arm could have its edge taken by another thread's reactor with no
+      // wait queued, and be seen only at the next hang-up. (A wake that finds nothing is harmless.)
+      hup_wait();
       epoll_event evs[64];
       for (;;) {
         const int n = ::epoll_wait(hup->native_handle(), evs, 64, 0);
         for (int i = 0; i < n; ++i) hup_seen(evs[i].data.u64);
         if (n < 64) break;
       }
-      hup_wait();
     });
   }
 
@@ -756,26 +762,11 @@ void Server::stop(double grace_s) {
       gone.set_value();
     });
     gone.get_future().wait();
-    if (I.hup) {  // the same for the hang-up watch, on its strand
-      std::promise<void> hup_gone;
-      net::post(I.hup->get_executor(), [&I, &hup_gone] {
-        std::lock_guard lk(I.mu);
-        I.hup.reset();
-        hup_gone.set_value();
-      });
-      hup_gone.get_future().wait();
-    }
   } else {
     net::post(I.ioc, [&I] {
       error_code ec;
       if (I.acceptor) I.acceptor->close(ec);
     });
-    if (I.hup)
-      net::post(I.hup->get_executor(), [&I] {
-        std::lock_guard lk(I.mu);
-        error_code ec;
-        I.hup->close(ec);
-      });
   }
   // Idle keep-alive connections stay open while in-flight requests finish: a request that
   // arrives on one now is answered 503 (Connection: close, Retry-After) instead of meeting a close
@@ -783,6 +774,28 @@ void Server::stop(double grace_s) {
   {
     std::unique_lock lk(I.mu);
     I.cv.wait_for(lk, std::chrono::duration<double>(grace_s), [&] { return I.active.load() == 0; });
+  }
+  // The hang-up watch goes after the grace period (clients that leave meanwhile are still noticed),
+  // on its strand: reset on the caller's io_context, which outlives nothing of ours (it must still
+  // run, as for the acceptor); closed on our own, destroyed with it.
+  if (I.hup) {
+    auto hup_gone = std::make_shared<std::promise<void>>();
+    auto done = hup_gone->get_future();
+    net::post(I.hup->get_executor(), [&I, hup_gone] {
+      {
+        std::lock_guard lk(I.mu);
+        *I.hup_live = false;
+        if (I.opts.io) {
+          I.hup.reset();
+        } else {
+          error_code ec;
+          I.hup->close(ec);
+        }
+      }
+      hup_gone->set_value();
+    });
+    // Bounded, should the io_context not be running (as for the connections below).
+    done.wait_for(std::chrono::seconds(1));
   }
   // Every connection is closed before the io_context stops (a close posted and not yet run when it
   // stops would leave the peer waiting until the server is destroyed). Bounded, should the

@@ -1,7 +1,8 @@
 // proxy/hash128.h: the 128-bit block hash of the router (proxy.md §3.2).
 //
-// H is XXH3-128 with a secret derived from a key drawn from the OS at start-up (so a
-// client cannot craft colliding prompts to steer or poison the ownership table); tests may fix it.
+// H is XXH3-128 with a secret derived from a key drawn from the OS at start-up (a client cannot
+// compute hashes to craft colliding prompts that steer or poison the ownership table; XXH3 is not
+// a proven PRF as SipHash is, see hash128.cpp); tests may fix it.
 // Hashes never leave the process, so routing decisions do not depend on which key or hash is used.
 // Thread-safety: hash128() is thread-safe; set_hash_key() must run before any hashing starts.
 #pragma once

@@ -174,6 +174,22 @@ TEST_P(HttpServerThreads, AClientThatLeavesMidRequestIsNoticedAtOnce) {
   }
 }
 
+// During stop()'s grace period the hang-up watch still runs: a client that leaves then ends its
+// request at once, and stop() returns long before the grace period would.
+TEST_P(HttpServerThreads, AClientThatLeavesDuringTheGracePeriodIsNoticedAndStopReturns) {
+  ServerOptions o;
+  o.threads = GetParam();
+  Slow e(o, 30.0);
+  const int fd = request_in_flight(e.server.port(), "/g");
+  const auto t0 = Clock::now();
+  std::thread stopper([&] { e.server.stop(20.0); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ::close(fd);
+  stopper.join();
+  EXPECT_EQ(e.gone.load(), 1);
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 5.0);
+}
+
 TEST_P(HttpServerThreads, PipelinedRequestsAreAllAnsweredInOrder) {
   ServerOptions o;
   o.threads = GetParam();
