@@ -305,7 +305,7 @@ class Server::Impl {
   std::size_t conn_cap = 0;  // set by start()
   std::atomic<std::uint64_t> refused{0};
   std::chrono::steady_clock::time_point last_accept_warning{};
-  // The hang-up watch's epoll set (hup_wait), on a strand of its own; closed by stop() under `mu`.
+  // The hang-up watch's epoll set (hup_wait), on a strand of its own; reset by stop() under `mu`.
   std::optional<net::posix::stream_descriptor> hup;
   std::shared_ptr<bool> hup_live = std::make_shared<bool>(true);  // false once stop() closed it (its strand)
   std::chrono::steady_clock::time_point last_hup_warning{};  // under `mu`
@@ -469,7 +469,7 @@ class Server::Impl {
 
   // Under `mu`, with the session just entered in `sessions`.
   void hup_add(Session& s, std::uint64_t id) {
-    if (!hup || !hup->is_open()) return;  // stopping
+    if (!hup) return;  // stopping
     epoll_event ev{};
     ev.events = EPOLLRDHUP | EPOLLET;
     ev.data.u64 = id;
@@ -776,8 +776,7 @@ void Server::stop(double grace_s) {
     I.cv.wait_for(lk, std::chrono::duration<double>(grace_s), [&] { return I.active.load() == 0; });
   }
   // The hang-up watch goes after the grace period (clients that leave meanwhile are still noticed),
-  // on its strand: reset on the caller's io_context, which outlives nothing of ours (it must still
-  // run, as for the acceptor); closed on our own, destroyed with it.
+  // on its strand, while the io_context still runs (a caller's outlives nothing of ours).
   if (I.hup) {
     auto hup_gone = std::make_shared<std::promise<void>>();
     auto done = hup_gone->get_future();
@@ -785,12 +784,7 @@ void Server::stop(double grace_s) {
       {
         std::lock_guard lk(I.mu);
         *I.hup_live = false;
-        if (I.opts.io) {
-          I.hup.reset();
-        } else {
-          error_code ec;
-          I.hup->close(ec);
-        }
+        I.hup.reset();
       }
       hup_gone->set_value();
     });

@@ -18,6 +18,7 @@
 #include "proxy/prompt_scan.h"
 #include "proxy/proxy_impl.h"
 #include "util/error.h"
+#include "util/files.h"
 #include "util/log.h"
 #include "util/process.h"
 #include "util/sha256.h"
@@ -163,13 +164,7 @@ Proxy::Impl::RequestId Proxy::Impl::request_id(const http::Request& req) {
     id.n = static_cast<std::uint8_t>(x->size());
     return id;
   }
-  // 128 random bits in hex, as http::random_request_id() draws them, without its string.
-  static thread_local std::mt19937_64 gen{std::random_device{}()};
-  static constexpr char kHex[] = "0123456789abcdef";
-  for (int half = 0; half < 2; ++half) {
-    std::uint64_t bits = gen();
-    for (int i = 0; i < 16; ++i, bits >>= 4) id.buf[16 * half + i] = kHex[bits & 15];
-  }
+  random_hex(16, id.buf);  // 128 random bits, as http::random_request_id(), without its string
   id.n = 32;
   return id;
 }
@@ -310,6 +305,10 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     if (code == 200) cells.ok->inc();
     else metrics.inc("requests_total", std::string("route=\"") + route + "\",code=\"" + std::to_string(code) + "\"");
   };
+  auto count_client_abort = [this] {
+    client_aborts.fetch_add(1);
+    metrics.inc("client_aborts_total");
+  };
   auto send_error = [&](int status, const std::string& msg, const std::string& param = {}) -> http::Task<void> {
     auto r = http::error_response(status, "proxy: " + redact(msg), param, status >= 500 ? "proxy_error" : "");
     r.headers.add("X-Request-Id", std::string(rid));
@@ -377,8 +376,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
               *spill_deadline);
           gone.unsubscribe(left);
           if (gone.fired()) {
-            client_aborts.fetch_add(1);
-            metrics.inc("client_aborts_total");
+            count_client_abort();
             w.abort();
             co_return;
           }
@@ -446,8 +444,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
     http::CallResult res = co_await rep.pool->call(out, call_options(cfg.total_timeout, &gone));
     if (!res.ok()) {
       if (res.error == http::CallError::kCancelled || gone.fired()) {
-        client_aborts.fetch_add(1);
-        metrics.inc("client_aborts_total");
+        count_client_abort();
         if (routed) finish_routed(scan.model, std::nullopt);
         w.abort();
         co_return;
@@ -537,8 +534,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       http::CallError e = co_await up.read(piece);
       if (e != http::CallError::kNone) {
         if (e == http::CallError::kCancelled || gone.fired()) {
-          client_aborts.fetch_add(1);
-          metrics.inc("client_aborts_total");
+          count_client_abort();
         } else {
           note_failure(pick, http::call_error_name(e), true);
           LS_LOG_WARN("proxy", "[{}] upstream {} failed mid-response: {}", rid, rep.url_str, http::call_error_name(e));
@@ -555,8 +551,7 @@ http::Task<void> Proxy::Impl::handle_relay(http::Request& req, http::ResponseWri
       if (piece.empty() && up.done()) break;
       if (routed) cached.feed(piece);
       if (!co_await w.write(piece)) {
-        client_aborts.fetch_add(1);
-        metrics.inc("client_aborts_total");
+        count_client_abort();
         ok = false;
         break;
       }

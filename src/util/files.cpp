@@ -120,19 +120,22 @@ void rename_and_sync(const fs::path& from, const fs::path& to) {
   fsync_path(to.has_parent_path() ? to.parent_path() : fs::path("."), true);
 }
 
-std::string random_hex(std::size_t n_bytes) {
+void random_hex(std::size_t n_bytes, char* out) {
   static thread_local std::mt19937_64 gen{std::random_device{}()};
   static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(n_bytes * 2);
   std::uint64_t bits = 0;
   for (std::size_t i = 0; i < n_bytes; ++i) {
     if (i % 8 == 0) bits = gen();  // eight bytes per draw
     auto b = static_cast<unsigned>(bits & 0xff);
     bits >>= 8;
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
+    *out++ = kHex[b >> 4];
+    *out++ = kHex[b & 15];
   }
+}
+
+std::string random_hex(std::size_t n_bytes) {
+  std::string out(2 * n_bytes, '\0');
+  random_hex(n_bytes, out.data());
   return out;
 }
 

@@ -31,8 +31,11 @@ void fsync_path(const fs::path& path, bool is_directory);
 // Renames a directory into place and fsyncs the parent (the publish step of a staging directory).
 void rename_and_sync(const fs::path& from, const fs::path& to);
 
-// n random bytes in hex (from the OS entropy source), for staging names and ids.
+// n random bytes in hex (a per-thread Mersenne Twister seeded from std::random_device: names and
+// ids, not keys), for staging names and ids.
 std::string random_hex(std::size_t n_bytes);
+// The same into out[0, 2 * n_bytes) (no allocation).
+void random_hex(std::size_t n_bytes, char* out);
 
 // Read-only memory map of a whole file.
 class MappedFile {
