@@ -48,6 +48,7 @@ void register_bench_train(CLI::App& bench, Registry& reg);
 void register_bench_grade(CLI::App& bench, Registry& reg);
 void register_bench_tokenizer(CLI::App& bench, Registry& reg);
 void register_bench_proxy(CLI::App& bench, Registry& reg);
+void register_bench_startup(CLI::App& bench, Registry& reg);
 void register_bench_sync(CLI::App& bench, Registry& reg);
 void register_bench_e2e(CLI::App& bench, Registry& reg);
 void register_bench_reward(CLI::App& bench, Registry& reg);

@@ -19,7 +19,7 @@ constexpr const char* kViaFront = "LORASYNC_VIA_FRONT";
 
 constexpr std::array<std::string_view, 6> kCommands = {"proxy", "grade", "tokenize", "train-tokenizer", "report",
                                                        "stub-replica"};
-constexpr std::array<std::string_view, 3> kBenches = {"proxy", "grade", "tokenizer"};
+constexpr std::array<std::string_view, 4> kBenches = {"proxy", "grade", "tokenizer", "startup"};
 
 template <std::size_t N>
 bool contains(const std::array<std::string_view, N>& set, std::string_view s) {

@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
   cli::register_bench_grade(*bench, reg);
   cli::register_bench_tokenizer(*bench, reg);
   cli::register_bench_proxy(*bench, reg);
+  cli::register_bench_startup(*bench, reg);
 #ifndef LORASYNC_FRONT
   cli::register_bench_sync(*bench, reg);
   cli::register_bench_e2e(*bench, reg);

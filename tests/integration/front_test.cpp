@@ -1,14 +1,17 @@
 // The two executables (apps/lorasync/CMakeLists.txt): `lorasync`, the front, runs the commands
 // that need no libtorch in its own process and execs lorasync-engine for the others.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "front.h"
 #include "util/child_process.h"
+#include "util/jsonl.h"
 #include "util/run_command.h"
 
 namespace lorasync::testing {
@@ -33,6 +36,7 @@ TEST(Front, PicksTheCommandsThatNeedNoLibtorch) {
   EXPECT_TRUE(front_runs({"bench", "proxy", "--concurrency", "32"}));
   EXPECT_TRUE(front_runs({"bench", "grade"}));
   EXPECT_TRUE(front_runs({"bench", "tokenizer"}));
+  EXPECT_TRUE(front_runs({"bench", "startup"}));
   EXPECT_TRUE(front_runs({"--version"}));
 
   EXPECT_FALSE(front_runs({"serve", "--model", "proxy"}));  // a later word does not count
@@ -118,6 +122,31 @@ TEST(Front, AMissingEngineIsNamedAndFrontCommandsStillRun) {
   r = run_command(env + shell_quote(LORASYNC_BINARY) + " grade", R"({"completion": "\\boxed{4}", "answer": "4"})" "\n");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("true"), std::string::npos) << r.out;
+}
+
+// `bench startup` (the README's "MiB resident, ms to start"): the same proxy command started from
+// the front and from the engine, each row the front's statistic against the engine's same
+// statistic. Which is smaller is the bench's to say, not a test's; that the engine, with libtorch
+// mapped, is resident in more memory than the front is a property of the build, checked here.
+TEST(Front, BenchStartupComparesTheFrontWithTheEngineOnTheSameStatistic) {
+  auto r = run_lorasync("bench startup --starts 2 --settle-ms 50");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<std::string, nlohmann::json> rows;
+  for (const auto& rec : parse_jsonl(r.out)) rows[rec["metric"].get<std::string>()] = rec;
+  for (const char* m : {"start_ms", "rss_mib", "start_cpu_ms"}) {
+    for (const char* stat : {"median", "best"}) {
+      const std::string name = std::string(m) + "_" + stat;
+      ASSERT_TRUE(rows.count(name)) << name << "\n" << r.out;
+      const auto& rec = rows[name];
+      EXPECT_EQ(rec["bench"], "startup");
+      EXPECT_EQ(rec["config"]["statistic"], stat);
+      EXPECT_EQ(rec["config"]["starts"], 2);
+      EXPECT_GE(rec["value"].get<double>(), 0) << rec.dump();
+      EXPECT_GT(rec["baseline"].get<double>(), 0) << rec.dump();
+    }
+  }
+  EXPECT_GT(rows["rss_mib_median"]["value"].get<double>(), 0);
+  EXPECT_LT(rows["rss_mib_median"]["value"].get<double>(), rows["rss_mib_median"]["baseline"].get<double>());
 }
 
 }  // namespace
