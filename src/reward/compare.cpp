@@ -170,10 +170,12 @@ class Comparer {
     return true;
   }
 
+  // Same elements in any order: a one-to-one matching when the sizes agree, else (a repeated
+  // element, "(3,17,3,7)" listed twice) every element of each side equal to one of the other's.
   bool order_free(Ref a, Ref c) {
     const Node& A = a.node();
     const Node& C = c.node();
-    if (A.children.size() != C.children.size()) return false;
+    if (A.children.size() != C.children.size()) return contains_all(a, c) && contains_all(c, a);
     std::vector<bool> used(C.children.size(), false);
     for (std::size_t i = 0; i < A.children.size(); ++i) {
       bool found = false;
@@ -184,6 +186,23 @@ class Comparer {
           used[j] = true;
           found = true;
         }
+        reason = saved;
+        if (too_complex) return false;
+      }
+      if (!found) return false;
+    }
+    return true;
+  }
+
+  bool contains_all(Ref a, Ref c) {
+    const Node& A = a.node();
+    const Node& C = c.node();
+    if (A.children.empty() || C.children.empty()) return false;
+    for (std::size_t i = 0; i < A.children.size(); ++i) {
+      bool found = false;
+      for (std::size_t j = 0; j < C.children.size() && !found; ++j) {
+        std::string saved = reason;
+        found = equal(a.child(i), c.child(j));
         reason = saved;
         if (too_complex) return false;
       }

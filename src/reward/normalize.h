@@ -33,6 +33,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace lorasync::reward {
 
@@ -48,6 +49,9 @@ NormalizedAnswer normalize_answer(std::string_view answer, bool strip_short_lhs)
 
 // Equal canonical strings (case-insensitive when either side is text).
 bool canonical_equal(const NormalizedAnswer& a, const NormalizedAnswer& b);
+
+// Offsets of the '=' signs outside brackets and braces.
+std::vector<std::size_t> top_level_equal_signs(std::string_view s);
 
 // Index of the brace matching s[open] ('{'), or npos. Escaped braces (\{ \}) are skipped.
 std::size_t matching_brace(std::string_view s, std::size_t open);
