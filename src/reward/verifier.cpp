@@ -244,9 +244,14 @@ GradeResult compare_answers(std::string_view predicted, std::string_view referen
     if (canonical_equal(g, p)) return verdict(true, extracted, "string_equal");
   }
   // A decimal comma ("1000,99", "0,111") against one number written with a point.
+  // Read from the answer as written: the canonical form drops "12.500"'s zeros.
+  auto comma_reading = [](std::string_view raw, const std::string& clean) {
+    auto d = decimal_comma_reading(strip_math_delimiters(raw));
+    return d ? d : decimal_comma_reading(clean);
+  };
   if (is_plain_number(g.clean) || is_plain_number(p.clean)) {
-    if (auto d = decimal_comma_reading(p.clean); d && is_plain_number(g.clean)) p = normalize_answer(*d, false);
-    else if (auto e = decimal_comma_reading(g.clean); e && is_plain_number(p.clean)) g = normalize_answer(*e, false);
+    if (auto d = comma_reading(predicted, p.clean); d && is_plain_number(g.clean)) p = normalize_answer(*d, false);
+    else if (auto e = comma_reading(reference, g.clean); e && is_plain_number(p.clean)) g = normalize_answer(*e, false);
   }
 
   ParseResult gp = parse_expanded(g.clean, limits);
