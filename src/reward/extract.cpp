@@ -200,7 +200,7 @@ std::optional<std::string> answer_is(std::string_view t) {
   if (ans.empty()) return std::nullopt;
   // "Final Answer: The volume of $ABCD$ is 120": a sentence, whose answer is the math or the
   // number it ends with.
-  if (prose_words(ans) >= 2)
+  if (is_sentence(ans))
     if (auto last = last_math_or_number(ans)) return last;
   return ans;
 }
@@ -275,7 +275,9 @@ std::optional<std::string> last_math_or_number(std::string_view t) {
   return n;
 }
 
-std::size_t prose_words(std::string_view t) {
+bool is_sentence(std::string_view t) { return prose_words(t, 2) >= 3 && prose_words(t, 3) >= 2; }
+
+std::size_t prose_words(std::string_view t, std::size_t min_letters) {
   std::size_t words = 0;
   int depth = 0;
   bool in_math = false;
@@ -292,7 +294,7 @@ std::size_t prose_words(std::string_view t) {
     if (in_math || depth > 0 || !std::isalpha(static_cast<unsigned char>(c))) continue;
     std::size_t j = i;
     while (j < t.size() && std::isalpha(static_cast<unsigned char>(t[j]))) ++j;
-    if (j - i >= 2) ++words;
+    if (j - i >= min_letters) ++words;
     i = j - 1;
   }
   return words;

@@ -51,8 +51,13 @@ std::optional<std::string> extract_fallback(std::string_view text);
 // The later of the last math span and the last number of `text`; nullopt when there is neither.
 std::optional<std::string> last_math_or_number(std::string_view text);
 
-// Words of prose in `text`: runs of 2+ letters outside math ($...$), braces and command names.
-std::size_t prose_words(std::string_view text);
+// Words of prose in `text`: runs of `min_letters`+ letters outside math ($...$), braces and command
+// names.
+std::size_t prose_words(std::string_view text, std::size_t min_letters = 2);
+
+// A sentence rather than an answer: three words or more, two of them of 3+ letters ("the number
+// is 10", "not it's 5"; not "10 cm and 20 cm").
+bool is_sentence(std::string_view text);
 
 // "Final Answer: The final answer is $10,455$" written after the last box: that answer (a box
 // for an intermediate result came before it); nullopt when there is no such statement.

@@ -83,8 +83,9 @@ std::vector<std::string> reference_boxes(std::string_view reference) {
 }
 
 // A reference may itself carry a box (a whole solution as the reference); several boxes apart
-// ("\boxed{1} papers and \boxed{2} bins") are the list of its parts. A reference in prose
-// ("... The final answer is $28\%$. I hope it is correct.") is read as a bare prediction is.
+// ("\boxed{1} papers and \boxed{2} bins") are the list of its parts. A reference in prose (eight
+// words or more: "... The final answer is $28\%$. I hope it is correct.") is read as a bare
+// prediction is.
 std::string reference_answer(std::string_view reference) {
   if (reference.find("\\boxed") != std::string_view::npos || reference.find("\\fbox") != std::string_view::npos) {
     std::vector<std::string> boxes = reference_boxes(reference);
@@ -95,7 +96,7 @@ std::string reference_answer(std::string_view reference) {
     }
     if (!boxes.empty()) return boxes[0];
   }
-  if (prose_words(reference) >= 3) return bare_answer(reference);
+  if (prose_words(reference, 3) >= 8) return bare_answer(reference);
   return std::string(reference);
 }
 
@@ -139,7 +140,7 @@ std::string bare_answer(std::string_view tail) {
     if (s[k] == '$' && (k == 0 || s[k - 1] != '\\')) dollar = true;
   bool prose = dollar || s.find("\\(") != std::string::npos || s.find("\\[") != std::string::npos ||
                s.find("answer") != std::string::npos || s.find("Answer") != std::string::npos ||
-               prose_words(s) >= 3;
+               is_sentence(s);
   std::string whole = trim_copy(tail);
   if (prose && only_math_spans(whole)) return whole;  // "$8$, $4$": a list, span by span
   if (prose)

@@ -51,6 +51,10 @@ TEST(AnswerForms, ProseAroundABareAnswer) {
   EXPECT_TRUE(grade_answer("so $d = \\frac{90}{n}$ works, and there are 12 sequences in all.", "12").correct);
   EXPECT_EQ(extract_fallback("we get $x = 2$ and then 4.5 hours").value(), "4.5");
   EXPECT_EQ(extract_fallback("we get 4.5 and then $x = 2$").value(), "x = 2");
+  // Units between answers are no sentence; neither is a short reference.
+  EXPECT_FALSE(grade_answer("10 cm and 20 cm", "20").correct);
+  EXPECT_FALSE(grade("\\boxed{20}", "10 cm and 20 cm").correct);
+  EXPECT_TRUE(grade_answer("10 and 20", "10, 20").correct);
 }
 
 TEST(AnswerForms, FinalAnswerStatementAfterTheLastBox) {
