@@ -73,7 +73,8 @@ bool is_assignment(const Ref& r) {
 
 struct Endpoint {
   Ref ref;
-  int inf = 0;  // -1: -infinity, +1: +infinity, 0: finite (ref)
+  int inf = 0;       // -1: -infinity, +1: +infinity, 0: finite (ref)
+  bool neg = false;  // the value is -ref (the mirrored bound of |x|)
 };
 struct Interval {
   Endpoint lo, hi;
@@ -484,12 +485,27 @@ class Comparer {
       else out.push_back({c, inf_ep(1), closed, false});
       return true;
     }
-    if (rel.operands.size() == 3 && !is_constant(rel.operands[1]) && is_constant(rel.operands[0]) &&
-        is_constant(rel.operands[2])) {
+    if (rel.operands.size() == 3 && is_constant(rel.operands[0]) && is_constant(rel.operands[2])) {
       for (const auto& o : rel.ops)
         if (o != "<" && o != "le") return false;
-      out.push_back({endpoint(rel.operands[0]), endpoint(rel.operands[2]), rel.ops[0] == "le",
-                     rel.ops[1] == "le"});
+      const Ref mid = rel.operands[1];
+      const bool lo_closed = rel.ops[0] == "le", hi_closed = rel.ops[1] == "le";
+      Endpoint lo = endpoint(rel.operands[0]), hi = endpoint(rel.operands[2]);
+      if (is_constant(mid)) return false;
+      // a < |x| < b with 0 < a: [-b, -a] and [a, b] (issue 51: `1 \le |z| \le 3/2`).
+      const Node& m = mid.node();
+      if (m.kind == NodeKind::kFunc && m.text == "abs" && m.children.size() == 1 &&
+          is_lone_symbol(mid.child(0)) && lo.inf == 0 && hi.inf == 0) {
+        Complex a = eval_numeric(*lo.ref.e, lo.ref.n, {}, b_);
+        if (!(a.real() > 0) || a.imag() != 0) return false;
+        Endpoint nlo = hi, nhi = lo;
+        nlo.neg = nhi.neg = true;
+        out.push_back({nlo, nhi, hi_closed, lo_closed});
+        out.push_back({lo, hi, lo_closed, hi_closed});
+        return true;
+      }
+      // a < x < b, also a < f(x) < b (the range of f).
+      out.push_back({lo, hi, lo_closed, hi_closed});
       return true;
     }
     return false;
@@ -498,7 +514,7 @@ class Comparer {
   bool endpoint_equal(const Endpoint& x, const Endpoint& y) {
     if (x.inf != 0 || y.inf != 0) return x.inf == y.inf;
     std::string saved = reason;
-    bool ok = scalar_equal({{x.ref, 1}}, {{y.ref, 1}}, false);
+    bool ok = scalar_equal({{x.ref, x.neg ? -1.0 : 1.0}}, {{y.ref, y.neg ? -1.0 : 1.0}}, false);
     reason = saved;
     return ok;
   }

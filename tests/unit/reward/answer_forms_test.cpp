@@ -97,6 +97,16 @@ TEST(AnswerForms, AssignmentGroupsAndGluedWords) {
   EXPECT_FALSE(grade_answer("$\\boxed{(7,11)}$", "$(11,7)or(7,11)$").correct);
 }
 
+TEST(AnswerForms, InequalityInAnAbsoluteValue) {
+  const char* gold = "$1\\leq|z|\\leq \\frac{3}{2}$";
+  EXPECT_TRUE(grade_answer("$z \\in \\left[-\\frac{3}{2}, -1\\right] \\cup \\left[1, \\frac{3}{2}\\right]$", gold).correct);
+  EXPECT_TRUE(grade_answer("$[-1.5, -1] \\cup [1, 1.5]$", gold).correct);
+  EXPECT_FALSE(grade_answer("$[1, \\frac{3}{2}]$", gold).correct);  // before: the middle was taken for x
+  EXPECT_FALSE(grade_answer("$(-\\frac{3}{2}, -1] \\cup [1, \\frac{3}{2}]$", gold).correct);
+  EXPECT_TRUE(grade_answer("$(-2, -1) \\cup (1, 2)$", "$1 < |x| < 2$").correct);
+  EXPECT_TRUE(grade_answer("$(0,1)$", "$0<f(x)<1$").correct);  // a range
+}
+
 TEST(AnswerForms, RepeatedListElements) {
   EXPECT_TRUE(grade_answer("$\\boxed{(3,37,3,13), (3,17,3,7), (3,17,3,7)}$", "$(3,37,3,13),(3,17,3,7)$").correct);
   EXPECT_TRUE(grade("\\boxed{1, 2, 2}", "1, 2").correct);
