@@ -14,7 +14,7 @@ import json
 from conftest import figure, lorasync
 from math_verify_suite import EXCLUSIONS, load_cases, pinned_version
 
-# Measured: 233/270 (86.3 %) before issue 51's fixes; 261/261 (100 %) after, the 9 deliberate
+# Measured: 233/270 (86.3 %) before issue 51's fixes; 262/262 (100 %) after, the 8 deliberate
 # disagreements apart. The goal of issue 51 is the floor.
 FLOOR = 0.97
 
@@ -31,9 +31,6 @@ DELIBERATE = {
     # Gold `x \in [-2,7]` against `-2 \le x \le 7`: the same set; Math-Verify refuses it unless
     # allow_set_relation_comp (it accepts the reverse order).
     "tests/test_all.py::test_set_rel_assymetry[3]": "relation_for_a_set",
-    # `1 \le |z| \le 3/2` against a union of two intervals: only inequalities linear in one
-    # variable become intervals.
-    "tests/test_numina_cases.py::test_numina_cases[3]": "inequality_in_abs",
     # A reference whose \boxed{ never closes, naming W(n) where the prediction names W(x).
     "tests/test_numina_cases.py::test_numina_cases[24]": "malformed_reference",
     # `\sum` with symbolic bounds (F_n recurrences): no computer algebra.
