@@ -8,6 +8,7 @@
 #include "reward/expr.h"
 #include "reward/extract.h"
 #include "reward/grade.h"
+#include "reward/matrix.h"
 #include "reward/normalize.h"
 #include "reward/parser.h"
 
@@ -261,6 +262,9 @@ GradeResult compare_answers(std::string_view predicted, std::string_view referen
     bool complex = (!gp.ok && gp.too_complex) || (!pp.ok && pp.too_complex);
     return verdict(false, extracted, complex ? "too_complex" : "parse_error");
   }
+  // "A + B" of matrices: the matrix it makes (matrix.h).
+  fold_matrix_arithmetic(gp.expr, limits.max_nodes);
+  fold_matrix_arithmetic(pp.expr, limits.max_nodes);
   Budget budget;
   budget.steps_left = limits.max_steps;
   CompareOptions opt;

@@ -14,7 +14,7 @@ import json
 from conftest import figure, lorasync
 from math_verify_suite import EXCLUSIONS, load_cases, pinned_version
 
-# Measured: 233/270 (86.3 %) before issue 51's fixes; 262/262 (100 %) after, the 8 deliberate
+# Measured: 233/270 (86.3 %) before issue 51's fixes; 264/264 (100 %) after, the 6 deliberate
 # disagreements apart. The goal of issue 51 is the floor.
 FLOOR = 0.97
 
@@ -25,9 +25,6 @@ DELIBERATE = {
     # inside its delimiters; the answer is 9.
     "tests/test_all.py::test_latex_notation[5]": "math_span_with_line_breaks",
     "tests/test_all.py::test_latex_notation[6]": "math_span_with_line_breaks",
-    # A sum or product of matrices in the prediction: no matrix arithmetic.
-    "tests/test_all.py::test_matrix_extraction[5]": "matrix_arithmetic",
-    "tests/test_all.py::test_matrix_extraction[6]": "matrix_arithmetic",
     # Gold `x \in [-2,7]` against `-2 \le x \le 7`: the same set; Math-Verify refuses it unless
     # allow_set_relation_comp (it accepts the reverse order).
     "tests/test_all.py::test_set_rel_assymetry[3]": "relation_for_a_set",

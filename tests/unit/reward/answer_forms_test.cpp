@@ -3,6 +3,8 @@
 // with several boxes or in prose, and lists with a repeated element. True negatives included.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "reward/answer_forms.h"
 #include "reward/extract.h"
 #include "reward/grade.h"
@@ -105,6 +107,22 @@ TEST(AnswerForms, InequalityInAnAbsoluteValue) {
   EXPECT_FALSE(grade_answer("$(-\\frac{3}{2}, -1] \\cup [1, \\frac{3}{2}]$", gold).correct);
   EXPECT_TRUE(grade_answer("$(-2, -1) \\cup (1, 2)$", "$1 < |x| < 2$").correct);
   EXPECT_TRUE(grade_answer("$(0,1)$", "$0<f(x)<1$").correct);  // a range
+}
+
+TEST(AnswerForms, MatrixArithmetic) {
+  const char* a = "\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix}";
+  const char* b = "\\begin{pmatrix}5 & 6 \\\\ 7 & 8\\end{pmatrix}";
+  const std::string sum = std::string("The sum is $") + a + " + " + b + "$";
+  EXPECT_TRUE(grade_answer(sum, "$\\begin{pmatrix}6 & 8 \\\\ 10 & 12\\end{pmatrix}$").correct);
+  EXPECT_FALSE(grade_answer(sum, "$\\begin{pmatrix}6 & 8 \\\\ 10 & 13\\end{pmatrix}$").correct);
+  const std::string prod = std::string("$") + a + " " + b + "$";
+  EXPECT_TRUE(grade_answer(prod, "$\\begin{pmatrix}19 & 22 \\\\ 43 & 50\\end{pmatrix}$").correct);
+  EXPECT_FALSE(grade_answer(std::string("$") + b + " " + a + "$",
+                            "$\\begin{pmatrix}19 & 22 \\\\ 43 & 50\\end{pmatrix}$").correct);  // BA != AB
+  EXPECT_TRUE(grade_answer(std::string("$2") + a + " - " + a + "$", std::string("$") + a + "$").correct);
+  // Shapes that do not agree stay unevaluated.
+  EXPECT_FALSE(grade_answer("$\\begin{pmatrix}1 & 2\\end{pmatrix} + \\begin{pmatrix}1 \\\\ 2\\end{pmatrix}$",
+                            "$\\begin{pmatrix}2 & 4\\end{pmatrix}$").correct);
 }
 
 TEST(AnswerForms, RepeatedListElements) {
