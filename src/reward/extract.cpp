@@ -310,6 +310,8 @@ std::optional<std::string> answer_after_last_box(std::string_view t) {
   return answer_is(rest);
 }
 
+std::optional<std::string> answer_statement(std::string_view text) { return answer_is(text); }
+
 std::optional<std::string> extract_fallback(std::string_view text) {
   if (auto a = answer_is(text)) return a;
   return last_math_or_number(text);

@@ -48,6 +48,10 @@ std::vector<BoxSpan> last_box_spans(std::string_view text, std::size_t count);
 // without that anchor, the last math span or the last number, whichever ends later.
 std::optional<std::string> extract_fallback(std::string_view text);
 
+// The answer after the last "answer is" / "answer:" (rest of the sentence; a sentence there gives
+// the math or number it ends with); nullopt when there is no such statement.
+std::optional<std::string> answer_statement(std::string_view text);
+
 // The later of the last math span and the last number of `text`; nullopt when there is neither.
 std::optional<std::string> last_math_or_number(std::string_view text);
 

@@ -66,8 +66,6 @@ std::string trim_copy(std::string_view s) {
   return std::string(s);
 }
 
-std::string bare_answer(std::string_view text);
-
 // The boxes of a reference that form its answer: the last box, and the boxes before it while only
 // a short label separates them ("\boxed{1} papers and \boxed{2} bins": at most 3 words, no
 // retraction); a box repeated ("\boxed{004} ... \boxed{004}") counts once.
@@ -85,8 +83,8 @@ std::vector<std::string> reference_boxes(std::string_view reference) {
 
 // A reference may itself carry a box (a whole solution as the reference); several boxes apart
 // ("\boxed{1} papers and \boxed{2} bins") are the list of its parts. A reference in prose (eight
-// words or more: "... The final answer is $28\%$. I hope it is correct.") is read as a bare
-// prediction is.
+// words or more) that states its answer ("... The final answer is $28\%$. I hope it is
+// correct.") is that answer; other prose references are kept whole.
 std::string reference_answer(std::string_view reference) {
   if (reference.find("\\boxed") != std::string_view::npos || reference.find("\\fbox") != std::string_view::npos) {
     std::vector<std::string> boxes = reference_boxes(reference);
@@ -97,7 +95,8 @@ std::string reference_answer(std::string_view reference) {
     }
     if (!boxes.empty()) return boxes[0];
   }
-  if (prose_words(reference, 3) >= 8) return bare_answer(reference);
+  if (reference.find("nswer") != std::string_view::npos && prose_words(reference, 3) >= 8)
+    if (auto a = answer_statement(reference)) return *a;
   return std::string(reference);
 }
 
@@ -226,7 +225,10 @@ GradeResult compare_answers(std::string_view predicted, std::string_view referen
   std::string extracted(predicted);
   std::string reference = reference_answer(reference_raw);
   if (trim_copy(predicted).empty()) return verdict(false, extracted, "empty_answer");
-  if (trim_copy(predicted) == trim_copy(reference)) return verdict(true, extracted, "string_equal");
+  const std::string pred_trim = trim_copy(predicted);
+  if (pred_trim == trim_copy(reference) ||
+      (reference.size() != reference_raw.size() && pred_trim == trim_copy(reference_raw)))
+    return verdict(true, extracted, "string_equal");
   if (predicted.size() > limits.max_answer_bytes || reference.size() > limits.max_answer_bytes)
     return verdict(false, extracted, "too_complex");
 

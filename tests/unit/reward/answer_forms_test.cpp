@@ -142,6 +142,11 @@ TEST(AnswerForms, ReferenceWithSeveralBoxesOrInProse) {
                       "The final answer is $28 \\%$. I hope it is correct. Note: this was checked twice.";
   EXPECT_TRUE(grade_answer("a total loss of $\\boxed{28\\%}$.", prose).correct);
   EXPECT_FALSE(grade_answer("a total loss of $\\boxed{72\\%}$.", prose).correct);
+  // A sentence that states no answer is kept whole (OlympiadBench references).
+  const char* olympiad = "$f(x)=a x+b$, where $b$ is an arbitrary integer, and $a$ is an arbitrary positive "
+                         "integer with $\\mho(a)=0$";
+  EXPECT_TRUE(grade(std::string("The answer is $\\boxed{") + olympiad + "}$.", olympiad).correct);
+  EXPECT_FALSE(grade("$\\boxed{\\mho(a)=0}$", olympiad).correct);
 }
 
 TEST(AnswerForms, OneBoxPerPartInABareAnswer) {
