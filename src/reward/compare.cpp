@@ -73,7 +73,8 @@ bool is_assignment(const Ref& r) {
 
 struct Endpoint {
   Ref ref;
-  int inf = 0;  // -1: -infinity, +1: +infinity, 0: finite (ref)
+  int inf = 0;       // -1: -infinity, +1: +infinity, 0: finite (ref)
+  bool neg = false;  // the value is -ref (the mirrored bound of |x|)
 };
 struct Interval {
   Endpoint lo, hi;
@@ -170,10 +171,12 @@ class Comparer {
     return true;
   }
 
+  // Same elements in any order: a one-to-one matching when the sizes agree, else (a repeated
+  // element, "(3,17,3,7)" listed twice) every element of each side equal to one of the other's.
   bool order_free(Ref a, Ref c) {
     const Node& A = a.node();
     const Node& C = c.node();
-    if (A.children.size() != C.children.size()) return false;
+    if (A.children.size() != C.children.size()) return contains_all(a, c) && contains_all(c, a);
     std::vector<bool> used(C.children.size(), false);
     for (std::size_t i = 0; i < A.children.size(); ++i) {
       bool found = false;
@@ -184,6 +187,23 @@ class Comparer {
           used[j] = true;
           found = true;
         }
+        reason = saved;
+        if (too_complex) return false;
+      }
+      if (!found) return false;
+    }
+    return true;
+  }
+
+  bool contains_all(Ref a, Ref c) {
+    const Node& A = a.node();
+    const Node& C = c.node();
+    if (A.children.empty() || C.children.empty()) return false;
+    for (std::size_t i = 0; i < A.children.size(); ++i) {
+      bool found = false;
+      for (std::size_t j = 0; j < C.children.size() && !found; ++j) {
+        std::string saved = reason;
+        found = equal(a.child(i), c.child(j));
         reason = saved;
         if (too_complex) return false;
       }
@@ -465,12 +485,27 @@ class Comparer {
       else out.push_back({c, inf_ep(1), closed, false});
       return true;
     }
-    if (rel.operands.size() == 3 && !is_constant(rel.operands[1]) && is_constant(rel.operands[0]) &&
-        is_constant(rel.operands[2])) {
+    if (rel.operands.size() == 3 && is_constant(rel.operands[0]) && is_constant(rel.operands[2])) {
       for (const auto& o : rel.ops)
         if (o != "<" && o != "le") return false;
-      out.push_back({endpoint(rel.operands[0]), endpoint(rel.operands[2]), rel.ops[0] == "le",
-                     rel.ops[1] == "le"});
+      const Ref mid = rel.operands[1];
+      const bool lo_closed = rel.ops[0] == "le", hi_closed = rel.ops[1] == "le";
+      Endpoint lo = endpoint(rel.operands[0]), hi = endpoint(rel.operands[2]);
+      if (is_constant(mid)) return false;
+      // a < |x| < b with 0 < a: [-b, -a] and [a, b] (issue 51: `1 \le |z| \le 3/2`).
+      const Node& m = mid.node();
+      if (m.kind == NodeKind::kFunc && m.text == "abs" && m.children.size() == 1 &&
+          is_lone_symbol(mid.child(0)) && lo.inf == 0 && hi.inf == 0) {
+        Complex a = eval_numeric(*lo.ref.e, lo.ref.n, {}, b_);
+        if (!(a.real() > 0) || a.imag() != 0) return false;
+        Endpoint nlo = hi, nhi = lo;
+        nlo.neg = nhi.neg = true;
+        out.push_back({nlo, nhi, hi_closed, lo_closed});
+        out.push_back({lo, hi, lo_closed, hi_closed});
+        return true;
+      }
+      // a < x < b, also a < f(x) < b (the range of f).
+      out.push_back({lo, hi, lo_closed, hi_closed});
       return true;
     }
     return false;
@@ -479,7 +514,7 @@ class Comparer {
   bool endpoint_equal(const Endpoint& x, const Endpoint& y) {
     if (x.inf != 0 || y.inf != 0) return x.inf == y.inf;
     std::string saved = reason;
-    bool ok = scalar_equal({{x.ref, 1}}, {{y.ref, 1}}, false);
+    bool ok = scalar_equal({{x.ref, x.neg ? -1.0 : 1.0}}, {{y.ref, y.neg ? -1.0 : 1.0}}, false);
     reason = saved;
     return ok;
   }

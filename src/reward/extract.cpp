@@ -139,6 +139,19 @@ std::vector<std::string> extract_last_boxes(std::string_view t, std::size_t coun
   return out;
 }
 
+std::vector<BoxSpan> last_box_spans(std::string_view t, std::size_t count) {
+  std::vector<BoxSpan> out;
+  std::size_t end = t.size();
+  while (out.size() < count && end > 0) {
+    auto b = last_box_before(t, end);
+    if (!b) break;
+    out.push_back(BoxSpan{b->start, b->end, std::move(b->content)});
+    end = b->start;
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
 std::string strip_math_delimiters(std::string_view s) {
   s = trim_view(s);
   for (int round = 0; round < 2; ++round) {
@@ -178,12 +191,21 @@ std::optional<std::string> answer_is(std::string_view t) {
     if (c == '\n') break;
     if (c == '.' && (j + 1 >= t.size() || is_space(t[j + 1]))) break;
   }
-  std::string ans = strip_math_delimiters(t.substr(i, j - i));
+  std::string_view quoted = trim_view(t.substr(i, j - i));
+  for (std::string_view q : {std::string_view("\\\""), std::string_view("\"")})  // "\"$12$\"", "\"12\""
+    if (quoted.size() >= 2 * q.size() && quoted.substr(0, q.size()) == q &&
+        quoted.substr(quoted.size() - q.size()) == q)
+      quoted = quoted.substr(q.size(), quoted.size() - 2 * q.size());
+  std::string ans = strip_math_delimiters(quoted);
   if (ans.empty()) return std::nullopt;
+  // "Final Answer: The volume of $ABCD$ is 120": a sentence, whose answer is the math or the
+  // number it ends with.
+  if (is_sentence(ans))
+    if (auto last = last_math_or_number(ans)) return last;
   return ans;
 }
 
-std::optional<std::string> last_math_span(std::string_view t) {
+std::optional<std::string> last_math_span(std::string_view t, std::size_t* end_out = nullptr) {
   // Pairs of $...$ (or $$...$$), \(...\) and \[...\]; returns the one that ends last.
   std::optional<std::string> best;
   std::size_t best_end = 0;
@@ -221,10 +243,11 @@ std::optional<std::string> last_math_span(std::string_view t) {
     }
   }
   if (best && best->empty()) return std::nullopt;
+  if (end_out != nullptr) *end_out = best_end;
   return best;
 }
 
-std::optional<std::string> last_number(std::string_view t) {
+std::optional<std::string> last_number(std::string_view t, std::size_t* end_out = nullptr) {
   std::size_t i = t.size();
   while (i > 0) {
     --i;
@@ -236,6 +259,7 @@ std::optional<std::string> last_number(std::string_view t) {
                           start >= 2 && std::isdigit(static_cast<unsigned char>(t[start - 2])))))
       --start;
     if (start > 0 && t[start - 1] == '-') --start;
+    if (end_out != nullptr) *end_out = end;
     return std::string(t.substr(start, end - start));
   }
   return std::nullopt;
@@ -243,10 +267,54 @@ std::optional<std::string> last_number(std::string_view t) {
 
 }  // namespace
 
+std::optional<std::string> last_math_or_number(std::string_view t) {
+  std::size_t math_end = 0, number_end = 0;
+  auto m = last_math_span(t, &math_end);
+  auto n = last_number(t, &number_end);
+  if (m && (!n || math_end >= number_end)) return m;
+  return n;
+}
+
+bool is_sentence(std::string_view t) { return prose_words(t, 2) >= 3 && prose_words(t, 3) >= 2; }
+
+std::size_t prose_words(std::string_view t, std::size_t min_letters) {
+  std::size_t words = 0;
+  int depth = 0;
+  bool in_math = false;
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    const char c = t[i];
+    if (c == '\\' && i + 1 < t.size()) {  // a command name or an escaped character
+      ++i;
+      while (i + 1 < t.size() && std::isalpha(static_cast<unsigned char>(t[i + 1]))) ++i;
+      continue;
+    }
+    if (c == '$') in_math = !in_math;
+    else if (c == '{') ++depth;
+    else if (c == '}') --depth;
+    if (in_math || depth > 0 || !std::isalpha(static_cast<unsigned char>(c))) continue;
+    std::size_t j = i;
+    while (j < t.size() && std::isalpha(static_cast<unsigned char>(t[j]))) ++j;
+    if (j - i >= min_letters) ++words;
+    i = j - 1;
+  }
+  return words;
+}
+
+std::optional<std::string> answer_after_last_box(std::string_view t) {
+  auto last = last_box_before(t, t.size());
+  if (!last) return std::nullopt;
+  std::string_view rest = t.substr(last->end);
+  std::string lower(rest);
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower.find("final answer") == std::string::npos) return std::nullopt;
+  return answer_is(rest);
+}
+
+std::optional<std::string> answer_statement(std::string_view text) { return answer_is(text); }
+
 std::optional<std::string> extract_fallback(std::string_view text) {
   if (auto a = answer_is(text)) return a;
-  if (auto m = last_math_span(text)) return m;
-  return last_number(text);
+  return last_math_or_number(text);
 }
 
 }  // namespace lorasync::reward

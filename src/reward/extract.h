@@ -36,8 +36,36 @@ std::optional<std::string> extract_last_boxed(std::string_view text);
 std::vector<std::string> extract_last_boxes(std::string_view text, std::size_t count,
                                             std::size_t* first_start = nullptr);
 
-// The evaluation-only fallback rules, in order; nullopt when nothing matches.
+// The last `count` complete boxes with their offsets, in reading order.
+struct BoxSpan {
+  std::size_t start = 0, end = 0;  // [start, end) of "\boxed{...}"
+  std::string content;
+};
+std::vector<BoxSpan> last_box_spans(std::string_view text, std::size_t count);
+
+// The evaluation-only fallback rules, in order; nullopt when nothing matches. After "answer is" /
+// "answer:", a sentence ("The volume of $V$ is 120") gives the math span or number it ends with;
+// without that anchor, the last math span or the last number, whichever ends later.
 std::optional<std::string> extract_fallback(std::string_view text);
+
+// The answer after the last "answer is" / "answer:" (rest of the sentence; a sentence there gives
+// the math or number it ends with); nullopt when there is no such statement.
+std::optional<std::string> answer_statement(std::string_view text);
+
+// The later of the last math span and the last number of `text`; nullopt when there is neither.
+std::optional<std::string> last_math_or_number(std::string_view text);
+
+// Words of prose in `text`: runs of `min_letters`+ letters outside math ($...$), braces and command
+// names.
+std::size_t prose_words(std::string_view text, std::size_t min_letters = 2);
+
+// A sentence rather than an answer: three words or more, two of them of 3+ letters ("the number
+// is 10", "not it's 5"; not "10 cm and 20 cm").
+bool is_sentence(std::string_view text);
+
+// "Final Answer: The final answer is $10,455$" written after the last box: that answer (a box
+// for an intermediate result came before it); nullopt when there is no such statement.
+std::optional<std::string> answer_after_last_box(std::string_view text);
 
 // Strips one pair of enclosing math delimiters ($..$, $$..$$, \(..\), \[..\]) and outer spaces.
 std::string strip_math_delimiters(std::string_view s);

@@ -7,6 +7,7 @@
 #include <cctype>
 #include <vector>
 
+#include "reward/answer_forms.h"
 #include "reward/extract.h"
 
 namespace lorasync::reward {
@@ -121,7 +122,7 @@ void remove_whole_thousands(std::string& s, char sep) {
   if (i < s.size() && s[i] == '-') ++i;
   std::size_t lead = 0;
   while (i + lead < s.size() && is_digit(s[i + lead])) ++lead;
-  if (lead == 0 || lead > 3) return;
+  if (lead == 0 || lead > 3 || s[i] == '0') return;  // "0,111" is no thousands grouping
   std::size_t j = i + lead;
   int groups = 0;
   while (j < s.size() && s[j] == sep) {
@@ -580,6 +581,7 @@ NormalizedAnswer normalize_answer(std::string_view answer, bool strip_short_lhs)
       }
     }
   }
+  split_glued_words(s);
   words_to_commas(s);
   remove_trailing_unit_words(s, r.percent);
 
@@ -593,6 +595,7 @@ NormalizedAnswer normalize_answer(std::string_view answer, bool strip_short_lhs)
   replace_all(s, "<=", "\\le ");
   replace_all(s, ">=", "\\ge ");
   replace_all(s, "!=", "\\ne ");
+  drop_approximation(s);
 
   repair_shorthand(s);
   normalize_matrices(s);
@@ -608,8 +611,21 @@ NormalizedAnswer normalize_answer(std::string_view answer, bool strip_short_lhs)
   if (std::size_t in = s.find("\\in"); in != std::string::npos &&
       (in + 3 >= s.size() || !is_alpha(s[in + 3])) && is_short_lhs(std::string_view(s).substr(0, in)))
     s = trim_copy(std::string_view(s).substr(in + 3));
+  join_assignment_groups(s);
   auto eqs = top_level_equals(s);
   r.equation = !eqs.empty();
+  const bool inequality = s.find('<') != std::string::npos || s.find('>') != std::string::npos ||
+                          s.find("\\le") != std::string::npos || s.find("\\ge") != std::string::npos;
+  if (!strip_short_lhs && eqs.size() >= 2 && !inequality &&
+      is_short_lhs(std::string_view(s).substr(0, eqs.front()))) {
+    // "x = 5 + 5 + 1 = 1/3" against an equation: the chain's first left and last right sides.
+    std::string lhs = trim_copy(std::string_view(s).substr(0, eqs.front()));
+    std::string rhs = trim_copy(std::string_view(s).substr(eqs.back() + 1));
+    if (!rhs.empty() && s.find(',') == std::string::npos) {
+      s = lhs + " = " + rhs;
+      eqs = top_level_equals(s);
+    }
+  }
   if (strip_short_lhs && !eqs.empty() && is_short_lhs(std::string_view(s).substr(0, eqs.front())) &&
       s.find('<') == std::string::npos && s.find('>') == std::string::npos &&
       s.find("\\le") == std::string::npos && s.find("\\ge") == std::string::npos) {
@@ -625,6 +641,10 @@ NormalizedAnswer normalize_answer(std::string_view answer, bool strip_short_lhs)
   r.clean = s;
   r.canonical = make_canonical(s);
   return r;
+}
+
+std::vector<std::size_t> top_level_equal_signs(std::string_view s) {
+  return top_level_equals(std::string(s));
 }
 
 bool canonical_equal(const NormalizedAnswer& a, const NormalizedAnswer& b) {

@@ -3,10 +3,12 @@
 #include <cctype>
 #include <vector>
 
+#include "reward/answer_forms.h"
 #include "reward/compare.h"
 #include "reward/expr.h"
 #include "reward/extract.h"
 #include "reward/grade.h"
+#include "reward/matrix.h"
 #include "reward/normalize.h"
 #include "reward/parser.h"
 
@@ -64,10 +66,37 @@ std::string trim_copy(std::string_view s) {
   return std::string(s);
 }
 
-// A reference may itself carry a box (a whole solution as the reference).
+// The boxes of a reference that form its answer: the last box, and the boxes before it while only
+// a short label separates them ("\boxed{1} papers and \boxed{2} bins": at most 3 words, no
+// retraction); a box repeated ("\boxed{004} ... \boxed{004}") counts once.
+std::vector<std::string> reference_boxes(std::string_view reference) {
+  std::vector<BoxSpan> spans = last_box_spans(reference, 16);
+  std::vector<std::string> out;
+  for (std::size_t k = spans.size(); k-- > 0;) {
+    if (!out.empty() && prose_words(reference.substr(spans[k].end, spans[k + 1].start - spans[k].end)) > 3)
+      break;
+    if (std::find(out.begin(), out.end(), spans[k].content) == out.end()) out.push_back(spans[k].content);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+// A reference may itself carry a box (a whole solution as the reference); several boxes apart
+// ("\boxed{1} papers and \boxed{2} bins") are the list of its parts. A reference in prose (eight
+// words or more) that states its answer ("... The final answer is $28\%$. I hope it is
+// correct.") is that answer; other prose references are kept whole.
 std::string reference_answer(std::string_view reference) {
-  if (reference.find("\\boxed") != std::string_view::npos || reference.find("\\fbox") != std::string_view::npos)
-    if (auto b = extract_last_boxed(reference)) return *b;
+  if (reference.find("\\boxed") != std::string_view::npos || reference.find("\\fbox") != std::string_view::npos) {
+    std::vector<std::string> boxes = reference_boxes(reference);
+    if (boxes.size() >= 2) {
+      std::string joined;
+      for (const auto& b : boxes) joined += (joined.empty() ? "" : ", ") + b;
+      return joined;
+    }
+    if (!boxes.empty()) return boxes[0];
+  }
+  if (reference.find("nswer") != std::string_view::npos && prose_words(reference, 3) >= 8)
+    if (auto a = answer_statement(reference)) return *a;
   return std::string(reference);
 }
 
@@ -96,6 +125,37 @@ bool only_math_spans(std::string_view s) {
           c == 'o' || c == 'r'))
       return false;
   return true;
+}
+
+// A bare predicted answer (grade_answer): a box inside it is preferred (unless a "final answer"
+// statement follows the last box); "$...$" is stripped; a list written span by span ("$8$, $4$")
+// is kept whole; prose ("the number is 1,000.99", "Final Answer: ... is 34") falls back to the
+// evaluation extraction.
+std::string bare_answer(std::string_view tail) {
+  if (auto after = answer_after_last_box(tail)) return *after;
+  if (auto boxed = extract_last_boxed(tail)) return *boxed;
+  std::string s = strip_math_delimiters(tail);
+  bool dollar = false;
+  for (std::size_t k = 0; k < s.size(); ++k)
+    if (s[k] == '$' && (k == 0 || s[k - 1] != '\\')) dollar = true;
+  bool prose = dollar || s.find("\\(") != std::string::npos || s.find("\\[") != std::string::npos ||
+               s.find("answer") != std::string::npos || s.find("Answer") != std::string::npos ||
+               is_sentence(s);
+  std::string whole = trim_copy(tail);
+  if (prose && only_math_spans(whole)) return whole;  // "$8$, $4$": a list, span by span
+  if (prose)
+    if (auto f = extract_fallback(s)) return *f;
+  return s;
+}
+
+}  // namespace
+
+namespace {
+
+bool is_relation_text(std::string_view s) {
+  for (std::string_view op : {"<", ">", "\\le", "\\ge", "\\ne"})
+    if (s.find(op) != std::string_view::npos) return true;
+  return false;
 }
 
 }  // namespace
@@ -165,7 +225,10 @@ GradeResult compare_answers(std::string_view predicted, std::string_view referen
   std::string extracted(predicted);
   std::string reference = reference_answer(reference_raw);
   if (trim_copy(predicted).empty()) return verdict(false, extracted, "empty_answer");
-  if (trim_copy(predicted) == trim_copy(reference)) return verdict(true, extracted, "string_equal");
+  const std::string pred_trim = trim_copy(predicted);
+  if (pred_trim == trim_copy(reference) ||
+      (reference.size() != reference_raw.size() && pred_trim == trim_copy(reference_raw)))
+    return verdict(true, extracted, "string_equal");
   if (predicted.size() > limits.max_answer_bytes || reference.size() > limits.max_answer_bytes)
     return verdict(false, extracted, "too_complex");
 
@@ -176,12 +239,34 @@ GradeResult compare_answers(std::string_view predicted, std::string_view referen
 
   if (has_prose(p.clean) && !has_prose(g.clean)) return verdict(false, extracted, "not_equal");
 
+  // A reference chain of equalities ("1 = a = x = 0") against a prediction that is no relation:
+  // the chain's last right side.
+  if (!p.equation && top_level_equal_signs(g.clean).size() >= 2 && !is_relation_text(p.clean) &&
+      g.clean.find(',') == std::string::npos) {
+    const std::string& c = g.clean;
+    g = normalize_answer(c.substr(top_level_equal_signs(c).back() + 1), false);
+    if (canonical_equal(g, p)) return verdict(true, extracted, "string_equal");
+  }
+  // A decimal comma ("1000,99", "0,111") against one number written with a point.
+  // Read from the answer as written: the canonical form drops "12.500"'s zeros.
+  auto comma_reading = [](std::string_view raw, const std::string& clean) {
+    auto d = decimal_comma_reading(strip_math_delimiters(raw));
+    return d ? d : decimal_comma_reading(clean);
+  };
+  if (is_plain_number(g.clean) || is_plain_number(p.clean)) {
+    if (auto d = comma_reading(predicted, p.clean); d && is_plain_number(g.clean)) p = normalize_answer(*d, false);
+    else if (auto e = comma_reading(reference, g.clean); e && is_plain_number(p.clean)) g = normalize_answer(*e, false);
+  }
+
   ParseResult gp = parse_expanded(g.clean, limits);
   ParseResult pp = parse_expanded(p.clean, limits);
   if (!gp.ok || !pp.ok) {
     bool complex = (!gp.ok && gp.too_complex) || (!pp.ok && pp.too_complex);
     return verdict(false, extracted, complex ? "too_complex" : "parse_error");
   }
+  // "A + B" of matrices: the matrix it makes (matrix.h).
+  fold_matrix_arithmetic(gp.expr, limits.max_nodes);
+  fold_matrix_arithmetic(pp.expr, limits.max_nodes);
   Budget budget;
   budget.steps_left = limits.max_steps;
   CompareOptions opt;
@@ -203,6 +288,26 @@ GradeResult compare_answers(std::string_view predicted, std::string_view referen
   return finish(false, "not_equal");
 }
 
+namespace {
+
+// A reference listing k parts against one box per part ("(a) \boxed{5} ... (b) \boxed{9}"):
+// the last k boxes as that list, unless the prose among them takes one back.
+std::optional<GradeResult> one_box_per_part(std::string_view tail, std::string_view reference,
+                                            const Limits& limits) {
+  const std::size_t k = list_parts(reference_answer(reference));
+  if (k < 2 || k > 16) return std::nullopt;
+  std::size_t first = 0;
+  std::vector<std::string> boxes = extract_last_boxes(tail, k, &first);
+  if (boxes.size() != k || retracts(tail.substr(first))) return std::nullopt;
+  std::string joined;
+  for (const auto& b : boxes) joined += (joined.empty() ? "" : ", ") + b;
+  GradeResult j = compare_answers(joined, reference, limits);
+  if (!j.correct) return std::nullopt;
+  return j;
+}
+
+}  // namespace
+
 GradeResult grade(std::string_view completion, std::string_view reference, const GradeOptions& options) {
   if (completion.size() > options.limits.max_completion_bytes) return verdict(false, "", "too_complex");
   std::string_view tail = after_think(completion);
@@ -211,18 +316,7 @@ GradeResult grade(std::string_view completion, std::string_view reference, const
   if (!answer) return verdict(false, "", "no_box");
   GradeResult r = compare_answers(*answer, reference, options.limits);
   if (r.correct || r.reason == "too_complex") return r;
-  // A reference listing k parts against one box per part ("(a) \boxed{5} ... (b) \boxed{9}").
-  const std::size_t k = list_parts(reference_answer(reference));
-  if (k >= 2 && k <= 16) {
-    std::size_t first = 0;
-    std::vector<std::string> boxes = extract_last_boxes(tail, k, &first);
-    if (boxes.size() == k && !retracts(tail.substr(first))) {
-      std::string joined;
-      for (const auto& b : boxes) joined += (joined.empty() ? "" : ", ") + b;
-      GradeResult j = compare_answers(joined, reference, options.limits);
-      if (j.correct) return j;
-    }
-  }
+  if (auto j = one_box_per_part(tail, reference, options.limits)) return *j;
   return r;
 }
 
@@ -241,21 +335,10 @@ GradeResult grade_answer(std::string_view prediction, std::string_view reference
                          const GradeOptions& options) {
   if (prediction.size() > options.limits.max_completion_bytes) return verdict(false, "", "too_complex");
   std::string_view tail = after_think(prediction);
-  std::optional<std::string> answer = extract_last_boxed(tail);
-  if (!answer) {
-    std::string s = strip_math_delimiters(tail);
-    bool dollar = false;
-    for (std::size_t k = 0; k < s.size(); ++k)
-      if (s[k] == '$' && (k == 0 || s[k - 1] != '\\')) dollar = true;
-    bool prose = dollar || s.find("\\(") != std::string::npos ||
-                 s.find("\\[") != std::string::npos || s.find("answer") != std::string::npos ||
-                 s.find("Answer") != std::string::npos;
-    std::string whole = trim_copy(tail);
-    if (prose && only_math_spans(whole)) answer = whole;  // "$8$, $4$": a list, span by span
-    else if (prose) answer = extract_fallback(s);
-    if (!answer) answer = s;
-  }
-  return compare_answers(*answer, reference, options.limits);
+  GradeResult r = compare_answers(bare_answer(tail), reference, options.limits);
+  if (r.correct || r.reason == "too_complex") return r;
+  if (auto j = one_box_per_part(tail, reference, options.limits)) return *j;
+  return r;
 }
 
 GradeResult grade_answer(std::string_view prediction, const std::vector<std::string>& references,

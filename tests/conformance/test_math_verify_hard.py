@@ -29,14 +29,18 @@ SAMPLE = 400
 # improvement is reported). The goal of issue 17 (>= 97 %) is met against Math-Verify configured as
 # RL trainers call it (TRL's accuracy_reward); against its default configuration the difference
 # is the rows without any box, which the recipe's rule scores 0 (docs/grader.md).
-RL_FLOOR = 0.97       # measured 0.985
-DEFAULT_FLOOR = 0.92  # measured 0.937
+RL_FLOOR = 0.97       # measured 0.982 (issue 51: decimal commas read as decimals)
+DEFAULT_FLOOR = 0.92  # measured 0.941
 # Disagreement classes kept on purpose (Math-Verify is wrong there; docs/grader.md).
-KEPT = ("no_box", "thin_space_thousands", "inequality_for_interval", "sentence_times_zero")
+KEPT = ("no_box", "thin_space_thousands", "inequality_for_interval", "sentence_times_zero",
+        "decimal_comma")
 
 INT = re.compile(r"^-?\d+$")
 DEC = re.compile(r"^-?\d+\.\d+$")
 FRAC = re.compile(r"^\\[dt]?frac\{(-?\d+)\}\{(\d+)\}$")
+# A box holding one number with a decimal comma ("3,75", "12.500,25"): read as a decimal since
+# issue 51 (Math-Verify's own test suite expects it; its LaTeX extraction reads a list).
+DECIMAL_COMMA = re.compile(r"\\boxed\{-?\d{1,3}(?:\.\d{3})*(?:\{,\}|,)\d+\}|\\boxed\{-?\d+(?:\{,\}|,)\d+\}")
 LINE = re.compile(r"^y\s*=\s*(-?\d*)x\s*([+-])\s*(\d+)$")
 
 
@@ -148,6 +152,8 @@ def kept_class(r, ours, mv):
             return "inequality_for_interval"
         if mv and not ours and r["gold"].strip() == "0":
             return "sentence_times_zero"
+        if ours and not mv and DEC.match(r["gold"]) and DECIMAL_COMMA.search(c):
+            return "decimal_comma"
         return None
     return "no_box" if mv else None
 
