@@ -16,7 +16,8 @@
 // cores), by N threads grading concurrently (`*_grades_per_s_all_cores`, over wall time).
 // Baseline, same run, same inputs: extraction of the box plus the canonical-string check alone
 // (what a Hendrycks-style normaliser costs; with the same raw-equality shortcut the verifier
-// takes). ratio = full verifier / baseline: for grades/s it is at most ~1 (below 1 is the price
+// takes), timed in turns with the verifier (baseline, verifier, verifier, baseline: half of
+// --seconds each), each side's figures over all its calls. ratio = full verifier / baseline: for grades/s it is at most ~1 (below 1 is the price
 // of the maths), for the times at least ~1.
 #include <algorithm>
 #include <atomic>
@@ -156,36 +157,47 @@ std::string_view trimmed(std::string_view s) {
 struct Measured {
   double grades_per_s = 0, p50_us = 0, p99_us = 0;
   long long n = 0, correct = 0;
+  std::vector<double> samples;  // us per grade
+  double busy = 0;              // seconds in the calls
 };
 
+// Grades the items in order, one call at a time, for at least `min_seconds`, adding to `m`.
 template <typename F>
-Measured measure(const std::vector<Item>& items, double min_seconds, F&& one) {
-  Measured m;
-  std::vector<double> samples;
-  samples.reserve(items.size() * 4);
-  double busy = 0;
+void measure_into(Measured& m, const std::vector<Item>& items, double min_seconds, F&& one) {
   double start = now_seconds();
   do {
     for (const Item& it : items) {
       double t0 = now_seconds();
       bool ok = one(it);
       double dt = now_seconds() - t0;
-      busy += dt;
-      samples.push_back(dt * 1e6);
+      m.busy += dt;
+      m.samples.push_back(dt * 1e6);
       m.correct += ok ? 1 : 0;
       ++m.n;
     }
   } while (now_seconds() - start < min_seconds);
-  m.grades_per_s = busy > 0 ? static_cast<double>(m.n) / busy : 0;
-  m.p50_us = percentile(samples, 50);
-  m.p99_us = percentile(samples, 99);
-  return m;
+  m.grades_per_s = m.busy > 0 ? static_cast<double>(m.n) / m.busy : 0;
+  m.p50_us = percentile(m.samples, 50);
+  m.p99_us = percentile(m.samples, 99);
+}
+
+// The verifier and its baseline over the same items, alternated A B B A (half the time each turn),
+// so that a drift of the machine's pace hurts both alike: {full, base}, each over all its calls.
+template <typename F, typename G>
+std::pair<Measured, Measured> measure_alternately(const std::vector<Item>& items, double min_seconds, F&& full_fn,
+                                                  G&& base_fn) {
+  Measured full, base;
+  measure_into(base, items, min_seconds / 2, base_fn);
+  measure_into(full, items, min_seconds / 2, full_fn);
+  measure_into(full, items, min_seconds / 2, full_fn);
+  measure_into(base, items, min_seconds / 2, base_fn);
+  return {full, base};
 }
 
 // All cores: `threads` threads grade the same items concurrently for at least `min_seconds`;
-// grades/s over the wall time.
+// {grades, wall seconds}.
 template <typename F>
-double measure_parallel(const std::vector<Item>& items, double min_seconds, int threads, F one) {
+std::pair<double, double> measure_parallel(const std::vector<Item>& items, double min_seconds, int threads, F one) {
   std::atomic<long long> n{0};
   const double start = now_seconds();
   std::vector<std::thread> ts;
@@ -202,7 +214,7 @@ double measure_parallel(const std::vector<Item>& items, double min_seconds, int 
       n += local;
     });
   for (auto& t : ts) t.join();
-  return static_cast<double>(n.load()) / (now_seconds() - start);
+  return {static_cast<double>(n.load()), now_seconds() - start};
 }
 
 // One pass over the first `n` items, one call at a time: the seconds the calls took (as
@@ -272,8 +284,7 @@ int run(const BenchGradeOptions& o) {
       return box && (trimmed(*box) == trimmed(it.reference) || reward::canonical_string_equal(*box, it.reference));
     };
     auto full_fn = [](const Item& it) { return reward::grade(it.completion, it.reference).correct; };
-    Measured base = measure(items, o.seconds, base_fn);
-    Measured full = measure(items, o.seconds, full_fn);
+    const auto [full, base] = measure_alternately(items, o.seconds, full_fn, base_fn);
     nlohmann::json cfg = {{"workload", workload},
                           {"items", items.size()},
                           {"grades_timed", full.n},
@@ -286,8 +297,15 @@ int run(const BenchGradeOptions& o) {
     rep.emit({"grade", w + "_p50_us", full.p50_us, "us", base.p50_us, cfg});
     rep.emit({"grade", w + "_p99_us", full.p99_us, "us", base.p99_us, cfg});
     if (o.threads > 1) {
-      const double bp = measure_parallel(items, o.seconds, o.threads, base_fn);
-      const double fp = measure_parallel(items, o.seconds, o.threads, full_fn);
+      // Alternated as on one thread (base, full, full, base), grades over wall time on each side.
+      double bn = 0, bw = 0, fn = 0, fw = 0;
+      for (const bool full_turn : {false, true, true, false}) {
+        const auto [graded, wall] = full_turn ? measure_parallel(items, o.seconds / 2, o.threads, full_fn)
+                                              : measure_parallel(items, o.seconds / 2, o.threads, base_fn);
+        (full_turn ? fn : bn) += graded;
+        (full_turn ? fw : bw) += wall;
+      }
+      const double bp = bw > 0 ? bn / bw : 0, fp = fw > 0 ? fn / fw : 0;
       cfg["threads"] = o.threads;
       rep.emit({"grade", w + "_grades_per_s_all_cores", fp, "grades/s", bp, cfg});
     }
