@@ -7,7 +7,7 @@ to an f32 GGUF by llama.cpp's own converter, so both engines run the same shapes
 on the same threads. Both sides report the same statistic: the best of --repeats individual runs
 (ours: `bench forward --repeats N`, each repeat one timed prefill or decode after a warm-up;
 theirs: llama-bench's per-repetition samples_ns with -r N after its warm-up, and N runs of
-llama-batched-bench, one S_TG each). Each of --rounds rounds runs both engines, the order swapped
+llama-batched-bench, one S_TG per batch size each after a warm-up of that shape). Each of --rounds rounds runs both engines, the order swapped
 every round (ours first in even rounds, theirs first in odd ones), so that a drift of the machine's
 pace hurts both alike. Reported per measurement: the best of each over all rounds and their ratio,
 the per-round ratios (each round's best against best) and their median (`ratio_median`, the
@@ -110,7 +110,8 @@ def parse_llama_bench(out, n_prompt):
 
 def parse_batched_bench(out):
     """{("decode", pl): S_TG} from one llama-batched-bench run with `--output-format jsonl` (a JSON
-    object a line among its log lines)."""
+    object a line among its log lines). A batch size listed twice in -npl keeps its last line: the
+    first is the warm-up of that shape."""
     r = {}
     for line in out.splitlines():
         line = line.strip()
@@ -144,19 +145,22 @@ def ours(a):
 
 
 def theirs(a, gguf):
-    """The same keys: llama-bench's best repetition of -r --repeats (pp512), and the best S_TG of
-    --repeats llama-batched-bench runs (one timing each)."""
+    """The same keys: llama-bench's best repetition of -r --repeats (pp512, after its warm-up run),
+    and the best S_TG of --repeats llama-batched-bench runs (one timing per batch size each, after a
+    warm-up of the same shape: every batch size is listed twice in -npl and the first is dropped, as
+    `bench forward` warms each shape before timing it)."""
     bin_dir = os.path.join(a.llama_src, "build", "bin")
     runs = [{("prefill", 1): parse_llama_bench(
         sh([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(a.threads), "-p", "512", "-n", "0",
             "-r", str(a.repeats), "-o", "json"]), 512)}]
     batches = [int(b) for b in a.batches.split(",")]
+    npl = ",".join(f"{b},{b}" for b in batches)  # each shape twice: a warm-up, then the timing kept
     ctx = max(batches) * (a.context + a.steps) + 64
     for _ in range(a.repeats):
         runs.append(parse_batched_bench(
             sh([os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-t", str(a.threads), "-tb",
                 str(a.threads), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(a.context), "-ntg",
-                str(a.steps), "-npl", a.batches, "--output-format", "jsonl"])))
+                str(a.steps), "-npl", npl, "--output-format", "jsonl"])))
     return best_of(runs)
 
 
@@ -323,6 +327,9 @@ def self_test():
         '"t_tg": 0.8, "speed_tg": 320.000000, "t": 4.8, "speed": 266.6}',
         "{not json", "llama_perf_context_print: load time = 10 ms"])
     assert parse_batched_bench(bb) == {("decode", 1): 80.0, ("decode", 8): 320.0}
+    # -npl 1,1: the first line of a shape is its warm-up; the last one is kept.
+    warm = "\n".join(['{"pp": 128, "tg": 32, "pl": 1, "speed_tg": 60.0}', '{"pp": 128, "tg": 32, "pl": 1, "speed_tg": 75.0}'])
+    assert parse_batched_bench(warm) == {("decode", 1): 75.0}
     # Best of N runs of llama-batched-bench.
     assert best_of([{("decode", 1): 80.0}, {("decode", 1): 85.0}, {("decode", 1): 82.0}]) == {("decode", 1): 85.0}
     # Ours: bench forward's JSON lines.
