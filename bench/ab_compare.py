@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""bench/ab_compare.py: the same `lorasync bench` commands run by two builds in one run, A/B/A/B
-alternated, and a table of B/A ratios (the best of the repeats of each build).
+"""bench/ab_compare.py: the same `lorasync bench` commands run by two builds in one run, the order
+swapped every repeat (A B, B A, A B ...), and a table of B/A ratios: the best of the repeats of each
+build, and the median of the repeats' own B/A ratios.
 
 For changes that move the whole build (a libtorch upgrade, compiler flags, allocator): one binary
 is the baseline, the other the change, measured on the same machine within minutes of each other.
@@ -10,7 +11,8 @@ is the baseline, the other the change, measured on the same machine within minut
 
 Suites: `cpu` = bench gemm (small shapes), bench forward (small: prefill, decode at batch
 1/8/64), bench train (small, rows of 4,096); `proxy` = bench proxy (32/128/384 concurrent).
-Metrics where lower is better (times) are (unit s or ms) are reported as A/B so that every ratio > 1 means B is better.
+Metrics where lower is better (times: s, ms, us; memory: B, MiB, GiB) keep the lowest of the
+repeats and are reported as A/B, so that every ratio > 1 means B is better.
 """
 import argparse
 import json
@@ -28,7 +30,7 @@ SUITES = {
         ["bench", "proxy"],
     ],
 }
-LOWER_UNITS = ("s", "ms")  # times: lower is better, reported as A/B
+LOWER_UNITS = ("s", "ms", "us", "B", "MiB", "GiB")  # times and memory: lower is better, reported as A/B
 IGNORED = ("threads", "device", "params")
 
 
@@ -71,26 +73,46 @@ def main():
     ap.add_argument("--out")
     a = ap.parse_args()
     best = {"a": [], "b": []}
+    repeats = []  # per command and repeat: {"a": rows, "b": rows}
     for args in SUITES[a.suite]:
         if a.only and a.only not in args:
             continue
-        for _ in range(a.repeats):
-            for side, binary in (("a", a.a), ("b", a.b)):
-                for row in run(binary, args):
+        for r in range(a.repeats):
+            sides = (("a", a.a), ("b", a.b)) if r % 2 == 0 else (("b", a.b), ("a", a.a))
+            rows = {}
+            for side, binary in sides:
+                rows[side] = run(binary, args)
+                for row in rows[side]:
                     keep_best(best[side], row)
+            repeats.append(rows)
+
+    def b_vs_a(va, vb, unit):
+        return (va / vb if unit in LOWER_UNITS else vb / va) if va and vb else float("nan")
+
+    def median(xs):
+        xs = sorted(x for x in xs if x == x)
+        n = len(xs)
+        return float("nan") if n == 0 else (xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2)
+
     out = []
-    print(f"{'measurement':62s} {'A':>11s} {'B':>11s} {'B vs A':>8s}")
+    print(f"{'measurement':62s} {'A':>11s} {'B':>11s} {'B vs A':>8s} {'median':>8s}")
     for ra in best["a"]:
         rb = next((q for q in best["b"] if same(ra, q)), None)
         if rb is None:
             continue
         va, vb, unit = ra[3], rb[3], ra[4]
-        ratio = (va / vb if unit in LOWER_UNITS else vb / va) if va and vb else float("nan")
+        ratio = b_vs_a(va, vb, unit)
+        per_repeat = []
+        for rows in repeats:
+            qa = next((q for q in rows["a"] if same(ra, q)), None)
+            qb = next((q for q in rows["b"] if same(ra, q)), None)
+            if qa is not None and qb is not None:
+                per_repeat.append(b_vs_a(qa[3], qb[3], unit))
         name = " ".join([ra[0], ra[1]] + [f"{k}={v}" for k, v in sorted(ra[2].items())
                                           if k in ("batch", "m", "n", "k", "preset", "row_tokens")])
         out.append({"bench": ra[0], "metric": ra[1], "config": ra[2], "unit": unit, "a": va, "b": vb,
-                    "b_vs_a": ratio})
-        print(f"{name[:62]:62s} {va:11.2f} {vb:11.2f} {ratio:7.2f}x")
+                    "b_vs_a": ratio, "b_vs_a_per_repeat": per_repeat, "b_vs_a_median": median(per_repeat)})
+        print(f"{name[:62]:62s} {va:11.2f} {vb:11.2f} {ratio:7.2f}x {median(per_repeat):7.2f}x")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"a": a.a, "b": a.b, "suite": a.suite, "repeats": a.repeats, "rows": out}, f,

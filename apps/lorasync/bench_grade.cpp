@@ -9,12 +9,15 @@
 //                       </think>, some without a box)
 // With --math-verify, Math-Verify (scripts/math_verify_ref.py, in the project's .venv) grades the
 // first 1,500 items of each workload too: agreement per configuration (as RL trainers call it, and
-// its default), and its grades/s as a same-run peer baseline.
+// its default), and its grades/s as a same-run peer baseline: both sides timed on those same items,
+// one call at a time, --math-verify-passes passes each (ours half before Math-Verify's run, half
+// after), the best pass of each.
 // Each workload is timed on one thread (grades/s, p50, p99) and, with --threads N > 1 (default: all
 // cores), by N threads grading concurrently (`*_grades_per_s_all_cores`, over wall time).
 // Baseline, same run, same inputs: extraction of the box plus the canonical-string check alone
 // (what a Hendrycks-style normaliser costs; with the same raw-equality shortcut the verifier
-// takes). ratio = full verifier / baseline: for grades/s it is at most ~1 (below 1 is the price
+// takes), timed in turns with the verifier (baseline, verifier, verifier, baseline: half of
+// --seconds each), each side's figures over all its calls. ratio = full verifier / baseline: for grades/s it is at most ~1 (below 1 is the price
 // of the maths), for the times at least ~1.
 #include <algorithm>
 #include <atomic>
@@ -46,6 +49,7 @@ struct BenchGradeOptions {
   bool math_verify = false;  // also grade with Math-Verify (the .venv's) and report agreement
   std::string python = std::string(LORASYNC_SOURCE_DIR) + "/.venv/bin/python";
   std::size_t math_verify_items = 1500;  // per workload (Math-Verify grades ~1k/s)
+  int math_verify_passes = 3;  // timed passes over those items on each side (the best of each)
 };
 
 struct Item {
@@ -153,36 +157,47 @@ std::string_view trimmed(std::string_view s) {
 struct Measured {
   double grades_per_s = 0, p50_us = 0, p99_us = 0;
   long long n = 0, correct = 0;
+  std::vector<double> samples;  // us per grade
+  double busy = 0;              // seconds in the calls
 };
 
+// Grades the items in order, one call at a time, for at least `min_seconds`, adding to `m`.
 template <typename F>
-Measured measure(const std::vector<Item>& items, double min_seconds, F&& one) {
-  Measured m;
-  std::vector<double> samples;
-  samples.reserve(items.size() * 4);
-  double busy = 0;
+void measure_into(Measured& m, const std::vector<Item>& items, double min_seconds, F&& one) {
   double start = now_seconds();
   do {
     for (const Item& it : items) {
       double t0 = now_seconds();
       bool ok = one(it);
       double dt = now_seconds() - t0;
-      busy += dt;
-      samples.push_back(dt * 1e6);
+      m.busy += dt;
+      m.samples.push_back(dt * 1e6);
       m.correct += ok ? 1 : 0;
       ++m.n;
     }
   } while (now_seconds() - start < min_seconds);
-  m.grades_per_s = busy > 0 ? static_cast<double>(m.n) / busy : 0;
-  m.p50_us = percentile(samples, 50);
-  m.p99_us = percentile(samples, 99);
-  return m;
+  m.grades_per_s = m.busy > 0 ? static_cast<double>(m.n) / m.busy : 0;
+  m.p50_us = percentile(m.samples, 50);
+  m.p99_us = percentile(m.samples, 99);
+}
+
+// The verifier and its baseline over the same items, alternated A B B A (half the time each turn),
+// so that a drift of the machine's pace hurts both alike: {full, base}, each over all its calls.
+template <typename F, typename G>
+std::pair<Measured, Measured> measure_alternately(const std::vector<Item>& items, double min_seconds, F&& full_fn,
+                                                  G&& base_fn) {
+  Measured full, base;
+  measure_into(base, items, min_seconds / 2, base_fn);
+  measure_into(full, items, min_seconds / 2, full_fn);
+  measure_into(full, items, min_seconds / 2, full_fn);
+  measure_into(base, items, min_seconds / 2, base_fn);
+  return {full, base};
 }
 
 // All cores: `threads` threads grade the same items concurrently for at least `min_seconds`;
-// grades/s over the wall time.
+// {grades, wall seconds}.
 template <typename F>
-double measure_parallel(const std::vector<Item>& items, double min_seconds, int threads, F one) {
+std::pair<double, double> measure_parallel(const std::vector<Item>& items, double min_seconds, int threads, F one) {
   std::atomic<long long> n{0};
   const double start = now_seconds();
   std::vector<std::thread> ts;
@@ -199,19 +214,33 @@ double measure_parallel(const std::vector<Item>& items, double min_seconds, int 
       n += local;
     });
   for (auto& t : ts) t.join();
-  return static_cast<double>(n.load()) / (now_seconds() - start);
+  return {static_cast<double>(n.load()), now_seconds() - start};
 }
 
-// Math-Verify (scripts/math_verify_ref.py, config "rl" or "default") over the first `n` items:
-// its verdicts and the seconds its parse + verify calls took.
+// One pass over the first `n` items, one call at a time: the seconds the calls took (as
+// scripts/math_verify_ref.py times Math-Verify's).
+template <typename F>
+double timed_pass(const std::vector<Item>& items, std::size_t n, F&& one) {
+  double spent = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double t0 = now_seconds();
+    (void)one(items[i]);
+    spent += now_seconds() - t0;
+  }
+  return spent;
+}
+
+// Math-Verify (scripts/math_verify_ref.py, config "rl" or "default") over the first `n` items,
+// `passes` times: its verdicts (the first pass's) and the seconds its parse + verify calls took in
+// each pass.
 struct Reference {
   std::vector<bool> correct;
-  double seconds = 0;
+  std::vector<double> seconds_per_pass;
   std::string version;
 };
 
 Reference run_math_verify(const BenchGradeOptions& o, const std::vector<Item>& items, std::size_t n,
-                          const std::string& config) {
+                          const std::string& config, int passes) {
   namespace fs = std::filesystem;
   TempDir dir("lorasync-bench-grade");
   const fs::path in = dir.path() / "rows.jsonl", out = dir.path() / "verdicts.jsonl";
@@ -223,7 +252,8 @@ Reference run_math_verify(const BenchGradeOptions& o, const std::vector<Item>& i
         << "\n";
   }
   const std::string cmd = "'" + o.python + "' '" + std::string(LORASYNC_SOURCE_DIR) + "/scripts/math_verify_ref.py' --config " +
-                          config + " --input '" + in.string() + "' --output '" + out.string() + "' 2>&1";
+                          config + " --input '" + in.string() + "' --output '" + out.string() + "' --passes " +
+                          std::to_string(passes) + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) throw_not_found("--math-verify: cannot start {}", o.python);
   std::string text;
@@ -233,7 +263,8 @@ Reference run_math_verify(const BenchGradeOptions& o, const std::vector<Item>& i
   auto summary = nlohmann::json::parse(text.substr(text.rfind('{')), nullptr, false);
   if (summary.is_discarded()) throw_not_found("--math-verify: unreadable reference output: {}", text);
   Reference r;
-  r.seconds = summary["grade_s"].get<double>();
+  if (summary.contains("grade_s_per_pass")) r.seconds_per_pass = summary["grade_s_per_pass"].get<std::vector<double>>();
+  else r.seconds_per_pass = {summary["grade_s"].get<double>()};
   r.version = summary["version"].get<std::string>();
   std::ifstream f(out);
   std::string line;
@@ -253,8 +284,7 @@ int run(const BenchGradeOptions& o) {
       return box && (trimmed(*box) == trimmed(it.reference) || reward::canonical_string_equal(*box, it.reference));
     };
     auto full_fn = [](const Item& it) { return reward::grade(it.completion, it.reference).correct; };
-    Measured base = measure(items, o.seconds, base_fn);
-    Measured full = measure(items, o.seconds, full_fn);
+    const auto [full, base] = measure_alternately(items, o.seconds, full_fn, base_fn);
     nlohmann::json cfg = {{"workload", workload},
                           {"items", items.size()},
                           {"grades_timed", full.n},
@@ -267,24 +297,52 @@ int run(const BenchGradeOptions& o) {
     rep.emit({"grade", w + "_p50_us", full.p50_us, "us", base.p50_us, cfg});
     rep.emit({"grade", w + "_p99_us", full.p99_us, "us", base.p99_us, cfg});
     if (o.threads > 1) {
-      const double bp = measure_parallel(items, o.seconds, o.threads, base_fn);
-      const double fp = measure_parallel(items, o.seconds, o.threads, full_fn);
+      // Alternated as on one thread (base, full, full, base), grades over wall time on each side.
+      double bn = 0, bw = 0, fn = 0, fw = 0;
+      for (const bool full_turn : {false, true, true, false}) {
+        const auto [graded, wall] = full_turn ? measure_parallel(items, o.seconds / 2, o.threads, full_fn)
+                                              : measure_parallel(items, o.seconds / 2, o.threads, base_fn);
+        (full_turn ? fn : bn) += graded;
+        (full_turn ? fw : bw) += wall;
+      }
+      const double bp = bw > 0 ? bn / bw : 0, fp = fw > 0 ? fn / fw : 0;
       cfg["threads"] = o.threads;
       rep.emit({"grade", w + "_grades_per_s_all_cores", fp, "grades/s", bp, cfg});
     }
     if (o.math_verify) {
       const std::size_t n = std::min(items.size(), o.math_verify_items);
+      const int passes = std::max(1, o.math_verify_passes);
       for (const char* config : {"rl", "default"}) {
-        Reference ref = run_math_verify(o, items, n, config);
+        // Only the RL configuration is timed: ours' passes over the same n items, half before
+        // Math-Verify's run and half after, so that a drift of the machine's pace hurts both alike.
+        const bool timed = std::string(config) == "rl";
+        std::vector<double> ours_s;
+        if (timed)
+          for (int k = 0; k < (passes + 1) / 2; ++k) ours_s.push_back(timed_pass(items, n, full_fn));
+        Reference ref = run_math_verify(o, items, n, config, timed ? passes : 1);
+        if (timed)
+          for (int k = (passes + 1) / 2; k < passes; ++k) ours_s.push_back(timed_pass(items, n, full_fn));
         std::size_t agree = 0;
         for (std::size_t i = 0; i < n; ++i) agree += full_fn(items[i]) == ref.correct[i] ? 1 : 0;
         nlohmann::json mcfg = {{"workload", workload}, {"items", n}, {"math_verify", ref.version},
                                {"math_verify_config", config}, {"threads", 1}};
         rep.emit({"grade", w + "_agreement_math_verify_" + config, static_cast<double>(agree) / static_cast<double>(n),
                   "fraction", std::nullopt, mcfg});
-        if (std::string(config) == "rl")
-          rep.emit({"grade", w + "_grades_per_s_vs_math_verify", full.grades_per_s, "grades/s",
-                    static_cast<double>(n) / ref.seconds, mcfg});
+        if (timed) {
+          auto rates = [n](const std::vector<double>& secs) {
+            nlohmann::json a = nlohmann::json::array();
+            for (double s : secs) a.push_back(s > 0 ? static_cast<double>(n) / s : 0.0);
+            return a;
+          };
+          const double ours_best = *std::min_element(ours_s.begin(), ours_s.end());
+          const double ref_best = *std::min_element(ref.seconds_per_pass.begin(), ref.seconds_per_pass.end());
+          mcfg["passes"] = passes;
+          mcfg["statistic"] = "best pass of each over the same items, one call at a time";
+          mcfg["ours_per_pass"] = rates(ours_s);
+          mcfg["math_verify_per_pass"] = rates(ref.seconds_per_pass);
+          rep.emit({"grade", w + "_grades_per_s_vs_math_verify", static_cast<double>(n) / ours_best, "grades/s",
+                    static_cast<double>(n) / ref_best, mcfg});
+        }
       }
     }
   }
@@ -304,8 +362,13 @@ void register_bench_grade(CLI::App& bench, Registry& reg) {
                "also grade each workload's first items with Math-Verify (the .venv's; RL and default "
                "configurations): agreement, and its grades/s as a baseline");
   sub->add_option("--python", o->python, "Python with math-verify (scripts/setup's .venv)")->capture_default_str();
-  sub->add_option("--math-verify-items", o->math_verify_items, "items per workload graded by Math-Verify")
+  sub->add_option("--math-verify-items", o->math_verify_items,
+                  "items per workload graded by Math-Verify (and by ours for the grades/s against it)")
       ->capture_default_str();
+  sub->add_option("--math-verify-passes", o->math_verify_passes,
+                  "timed passes over those items on each side; the best of each is compared")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 20));
   sub->add_option("--threads", o->threads, "threads of the all-cores rows (1 = single-threaded rows only)")
       ->capture_default_str();
   reg.add(sub, [o] { return run(*o); });

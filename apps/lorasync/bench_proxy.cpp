@@ -1,13 +1,17 @@
 // `lorasync bench proxy`: the proxy (a child `lorasync proxy` process, one thread) in front of two
 // in-process stub replicas (one thread serving both, by default: bench::StubFleet), driven by a
 // GRPO-shaped trace at 32/128/384 concurrent requests.
-// Baseline (same run): the same load sent directly to the stubs (round robin). Reports req/s,
-// proxy-added latency p50/p99 (client latency minus the stub's reported service time; over the
-// requests after each worker's first, with the p99 of all of them reported too), proxy CPU
-// seconds per 1k requests (the scheduler's nanosecond counters of every proxy thread), proxy peak
-// RSS, bytes per tracked block at 500k entries, routing counters and the stubs' ground-truth prefix
-// reuse. With --reference, the same load through the HF Python proxy in the same run: CPU (also
-// split into user and system time), latency, throughput, unmatched share and prefix reuse against it.
+// Baseline (same run): the same load sent directly to the stubs (round robin), in every round.
+// Reports req/s, proxy-added latency p50/p99 (client latency minus the stub's reported service
+// time; over the requests after each worker's first, with the p99 of all of them reported too),
+// proxy CPU seconds per 1k requests (the scheduler's nanosecond counters of every proxy thread),
+// proxy peak RSS, bytes per tracked block at 500k entries, routing counters and the stubs'
+// ground-truth prefix reuse. With --reference, the same load through the HF Python proxy in the
+// same run: CPU (also split into user and system time), latency, throughput, unmatched share and
+// prefix reuse against it, and its table's bytes per tracked block, measured
+// (bench/proxy/reference_block_bytes.py). Each round runs direct, ours, the reference, and the
+// next one the other way round, so that a drift of the machine's pace hurts all sides alike; every
+// single figure is the median (shares: the mean) over rounds on each side.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -23,9 +27,11 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -58,7 +64,33 @@ struct BenchProxyOptions {
   std::string reference;
   std::string python = "python3";
   int rounds = 1;  // ours and the reference alternated this many times per concurrency
+  std::int64_t tracked_blocks = 500000;  // entries of the bytes-per-tracked-block figure, both tables
 };
+
+std::string sh_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// The reference's table filled to `entries` blocks through its own router
+// (bench/proxy/reference_block_bytes.py, run by --python): its JSON summary, or {"error": ...}.
+nlohmann::json reference_block_bytes(const BenchProxyOptions& o, std::int64_t entries) {
+  const std::string cmd = sh_quote(o.python) + " " +
+                          sh_quote(std::string(LORASYNC_SOURCE_DIR) + "/bench/proxy/reference_block_bytes.py") + " " +
+                          sh_quote(o.reference) + " " + std::to_string(entries) + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return {{"error", "cannot start " + o.python}};
+  std::string text;
+  char buf[4096];
+  while (std::size_t k = std::fread(buf, 1, sizeof buf, p)) text.append(buf, k);
+  const int rc = pclose(p);
+  const auto brace = text.rfind('{');
+  nlohmann::json j = rc == 0 && brace != std::string::npos ? nlohmann::json::parse(text.substr(brace), nullptr, false)
+                                                           : nlohmann::json();
+  if (!j.is_object() || !j.contains("bytes_per_block")) return {{"error", std::string(trim(text))}};
+  return j;
+}
 
 std::uint16_t free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -346,12 +378,31 @@ Round measure_round(const Child& ch, const std::vector<bench::TraceRequest>& tra
 
 int run(const BenchProxyOptions& o) {
   BenchReporter rep;
-  // Memory per tracked block at 500k entries.
+  // Memory per tracked block at 500k entries: ours' table (slab and index), and with --reference the
+  // reference's, filled to as many blocks through its own router in the same run (no ratio without).
   {
-    proxy::BlockTable t(500000);
-    for (std::uint64_t i = 0; i < 500000; ++i) t.find_or_insert(proxy::hash128(&i, sizeof i));
-    double per = static_cast<double>(t.memory_bytes()) / 500000.0;
-    rep.emit({"proxy", "bytes_per_tracked_block", per, "B", 660.0, {{"entries", 500000}, {"baseline", "reference (~660 B)"}}});
+    const std::int64_t n = o.tracked_blocks;
+    proxy::BlockTable t(static_cast<std::size_t>(n));
+    for (std::uint64_t i = 0; i < static_cast<std::uint64_t>(n); ++i) t.find_or_insert(proxy::hash128(&i, sizeof i));
+    const double per = static_cast<double>(t.memory_bytes()) / static_cast<double>(n);
+    nlohmann::json c = {{"entries", n}, {"method", "BlockTable::memory_bytes() (slab and index) / entries"}};
+    std::optional<double> ref;
+    if (o.reference.empty()) {
+      c["baseline"] = "none (--reference measures the reference's table)";
+    } else {
+      const nlohmann::json r = reference_block_bytes(o, n);
+      if (r.contains("error")) {
+        std::fprintf(stderr, "bench proxy: the reference's bytes per tracked block: %s\n", r["error"].dump().c_str());
+        c["baseline"] = "none (the reference's table could not be measured)";
+        c["reference_error"] = r["error"];
+      } else {
+        ref = r["bytes_per_block"].get<double>();
+        c["baseline"] = "the reference's table, filled to as many blocks through its router, same run";
+        c["reference_entries"] = r["entries"];
+        c["reference_method"] = r["method"];
+      }
+    }
+    rep.emit({"proxy", "bytes_per_tracked_block", per, "B", ref, c});
   }
   for (const auto& cs : split(o.concurrency, ',')) {
     int conc = std::stoi(std::string(trim(cs)));
@@ -367,14 +418,13 @@ int run(const BenchProxyOptions& o) {
     bench::TraceOptions to;
     to.prompts = o.prompts;
     auto trace = bench::make_grpo_trace(to);
-    // Baseline: direct to the stubs.
-    RunResult base = drive(urls, trace, conc, o.client_threads);
-    if (o.stub_nice != 0 && (s0.nice_applied() != 1 || s1.nice_applied() != 1))
-      throw_env("bench proxy: --stub-nice {}: the stubs' threads could not take it (a value below 0 needs CAP_SYS_NICE)",
-                o.stub_nice);
-    // Rounds: ours then the reference, each from cold stub caches, `rounds` times (the VM's noise
-    // moves single figures by tens of per cent; the medians and the per-round pairs are reported).
+    // Rounds, each from cold stub caches, `rounds` times (the VM's noise moves single figures by
+    // tens of per cent; the medians and the per-round pairs are reported): the baseline (direct to
+    // the stubs), ours, the reference; the next round the other way round (reference, ours, direct),
+    // so that neither proxy always runs first nor always follows the same run.
     std::vector<Round> ours, refs;
+    std::vector<RunResult> direct;
+    std::vector<std::string> first;  // per round, which of ours and the reference ran first
     // One round of a proxy from cold stub caches (reset, so the stubs' prefill reuse reflects that
     // proxy's routing only).
     auto cold_round = [&](const Child& ch) {
@@ -386,10 +436,27 @@ int run(const BenchProxyOptions& o) {
       r.reuse = pt ? static_cast<double>(ct) / static_cast<double>(pt) : 0;
       return r;
     };
+    auto direct_round = [&] {
+      for (const auto& u : urls) get_json(u, "/reset_prefix_cache");
+      direct.push_back(drive(urls, trace, conc, o.client_threads));
+      if (o.stub_nice != 0 && (s0.nice_applied() != 1 || s1.nice_applied() != 1))
+        throw_env("bench proxy: --stub-nice {}: the stubs' threads could not take it (a value below 0 needs "
+                  "CAP_SYS_NICE)",
+                  o.stub_nice);
+    };
     for (int round = 0; round < std::max(1, o.rounds); ++round) {
-      ours.push_back(cold_round(spawn_proxy(urls, o.proxy_threads)));
-      // The reference proxy, same stubs, same trace.
-      if (!o.reference.empty()) refs.push_back(cold_round(spawn_reference(o, urls)));
+      const bool forward = round % 2 == 0;
+      if (forward) direct_round();
+      if (forward || o.reference.empty()) {
+        ours.push_back(cold_round(spawn_proxy(urls, o.proxy_threads)));
+        // The reference proxy, same stubs, same trace.
+        if (!o.reference.empty()) refs.push_back(cold_round(spawn_reference(o, urls)));
+      } else {
+        refs.push_back(cold_round(spawn_reference(o, urls)));
+        ours.push_back(cold_round(spawn_proxy(urls, o.proxy_threads)));
+      }
+      if (!o.reference.empty()) first.emplace_back(forward ? "ours" : "reference");
+      if (!forward) direct_round();
     }
     const int R = static_cast<int>(ours.size());
     auto med = [](auto& v, auto f) {
@@ -412,8 +479,8 @@ int run(const BenchProxyOptions& o) {
     nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
                           {"stub_latency_spread", o.stub_latency_spread},
                           {"stub_nice", o.stub_nice}, {"stub_threads", o.stub_threads},
-                          {"proxy_threads", o.proxy_threads}, {"errors", errors}, {"baseline", "direct to stubs"},
-                          {"rounds", R}};
+                          {"proxy_threads", o.proxy_threads}, {"errors", errors},
+                          {"baseline", "direct to stubs, the median over the same rounds"}, {"rounds", R}};
     // The per-round figures read for both proxies.
     auto cpu_of = [](const Round& r) { return r.cpu_ms; };
     auto reuse_of = [](const Round& r) { return r.reuse; };
@@ -433,6 +500,7 @@ int run(const BenchProxyOptions& o) {
       nlohmann::json rc = cfg;
       rc["baseline"] = "the reference proxy (Python), same run";
       rc["reference_errors"] = list(refs, [](const Round& r) { return r.run.errors; });
+      rc["first_per_round"] = first;
       nlohmann::json ratios = nlohmann::json::array();
       for (int i = 0; i < R; ++i) ratios.push_back(ours[i].cpu_ms / refs[i].cpu_ms);
       nlohmann::json c1 = rc;
@@ -483,11 +551,20 @@ int run(const BenchProxyOptions& o) {
       };
       rep.emit({"proxy", "proxy_peak_rss_mb_vs_reference", peak(ours), "MiB", peak(refs), rc});
     }
-    rep.emit({"proxy", "requests_per_s", med(ours, rps_of), "req/s", base.req_per_s, cfg});
-    rep.emit({"proxy", "added_latency_p50_ms", med(ours, [](const Round& r) { return r.run.p50_ms; }), "ms", base.p50_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms", med(ours, p99_of), "ms", base.p99_ms, cfg});
-    rep.emit({"proxy", "added_latency_p99_ms_incl_connect", med(ours, [](const Round& r) { return r.run.p99_all_ms; }), "ms",
-              base.p99_all_ms, cfg});
+    // Against direct access: the median over rounds on both sides, the per-round values in the config.
+    auto vs_direct = [&](const char* metric, const char* unit, double RunResult::*f) {
+      nlohmann::json c = cfg;
+      c["ours_per_round"] = list(ours, [f](const Round& r) { return r.run.*f; });
+      c["direct_per_round"] = list(direct, [f](const RunResult& r) { return r.*f; });
+      rep.emit({"proxy", metric, med(ours, [f](const Round& r) { return r.run.*f; }), unit,
+                med(direct, [f](const RunResult& r) { return r.*f; }), c});
+    };
+    vs_direct("requests_per_s", "req/s", &RunResult::req_per_s);
+    vs_direct("added_latency_p50_ms", "ms", &RunResult::p50_ms);
+    vs_direct("added_latency_p99_ms", "ms", &RunResult::p99_ms);
+    vs_direct("added_latency_p99_ms_incl_connect", "ms", &RunResult::p99_all_ms);
+    // The rows below have no baseline (direct access has no proxy to measure).
+    cfg["baseline"] = "none";
     {
       nlohmann::json c1 = cfg;
       c1["per_round"] = list(ours, cpu_of);
@@ -509,7 +586,16 @@ int run(const BenchProxyOptions& o) {
       c2["unmatched"] = last["unmatched"];
       c2["tracked_blocks"] = last["tracked_blocks"];
       c2["per_round"] = list(ours, unmatched_of);
-      rep.emit({"proxy", "unmatched_fraction", unmatched, "fraction", 1.0 / to.group, c2});
+      // 1/G is a floor (each group's first request has no prefix to follow), not a measurement: a
+      // target in the config, no ratio.
+      c2["baseline"] = "none";
+      c2["floor"] = 1.0 / to.group;
+      c2["floor_is"] = "1/G: a bound (the goal: within 2 points of it), not a measurement";
+      c2["pts_over_floor"] = (unmatched - 1.0 / to.group) * 100.0;
+      rep.emit({"proxy", "unmatched_fraction", unmatched, "fraction", std::nullopt, c2});
+      c2.erase("floor");
+      c2.erase("floor_is");
+      c2.erase("pts_over_floor");
       c2["per_round"] = list(ours, [](const Round& r) { return r.share("affinity"); });
       rep.emit({"proxy", "affinity_fraction", mean(ours, [](const Round& r) { return r.share("affinity"); }), "fraction",
                 std::nullopt, c2});
@@ -550,10 +636,15 @@ void register_bench_proxy(CLI::App& bench, Registry& reg) {
                   "the HF Python proxy's lora_proxy.py (fetched into a temp dir; run with python3-aiohttp) as a same-run baseline");
   sub->add_option("--python", o->python, "the interpreter for --reference")->capture_default_str();
   sub->add_option("--rounds", o->rounds,
-                  "rounds per concurrency (ours, then the reference, each from cold caches); figures are medians, "
-                  "unmatched shares means, with the per-round values in the config")
+                  "rounds per concurrency (direct, ours, the reference, each from cold caches; the order reversed "
+                  "every other round); figures are medians, unmatched shares means, with the per-round values in "
+                  "the config")
       ->capture_default_str()
       ->check(CLI::Range(1, 50));
+  sub->add_option("--tracked-blocks", o->tracked_blocks,
+                  "entries of the bytes-per-tracked-block figure (ours' table and, with --reference, the reference's)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1000}, std::int64_t{10000000}));
   reg.add(sub, [o] { return run(*o); });
 }
 

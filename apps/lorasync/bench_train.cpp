@@ -254,7 +254,16 @@ int run(const BenchTrainOptions& o) {
   rep.emit({"train", "gemm_peak_gflops", peak, "GFLOP/s", std::nullopt, c});
   rep.emit({"train", "trained_tokens_per_s", static_cast<double>(tokens) / fb_s, "tokens/s", base_tps, c});
   rep.emit({"train", "fwd_bwd_gflops", flops / fb_s / 1e9, "GFLOP/s", peak, c});
-  rep.emit({"train", "rows_filled", plan.fill, "fraction", 0.95, c});
+  {
+    // 0.95 is the goal (../shared/spec/benchmarks.md: rows filled >= 95%), not a measurement: a
+    // target in the config, no ratio.
+    auto cf = c;
+    cf["baseline"] = "none";
+    cf["target"] = 0.95;
+    cf["target_is"] = "the goal (rows filled >= 95%), not a measurement";
+    cf["meets_target"] = plan.fill >= 0.95;
+    rep.emit({"train", "rows_filled", plan.fill, "fraction", std::nullopt, cf});
+  }
   rep.emit({"train", "optimizer_step_ms", opt_s * 1e3, "ms", std::nullopt, c});
   rep.emit({"train", "fwd_bwd_step_s", fb_s, "s", std::nullopt, c});
   rep.print_table();

@@ -1,10 +1,11 @@
-// Black-box smoke tests of `lorasync bench forward` and `bench proxy` through the real binary: the
-// rows they report and their same-run baselines (the speeds themselves are not checked: performance
-// lives in the bench, never in a timed test).
+// Black-box smoke tests of `lorasync bench forward`, `bench proxy` and `bench grade` through the real
+// binary: the rows they report and their same-run baselines (the speeds themselves are not checked:
+// performance lives in the bench, never in a timed test).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <set>
@@ -80,12 +81,38 @@ TEST(BenchCli, ForwardTimesTheAvx2KernelsAsTheBaselineOfTheFastPath) {
 
 // A stand-in for the HF Python proxy that `bench proxy --reference` runs (the real one is never
 // committed): the same environment (UPSTREAM_URLS, PROXY_PORT) and /proxy/stats counters, but it
-// sends requests round robin, with no prefix affinity at all.
+// sends requests round robin, with no prefix affinity at all. Its router classes (Config, Upstream,
+// PrefixRouter with a `blocks` table filled by choose()) are what bench/proxy/reference_block_bytes.py
+// loads to measure the reference's bytes per tracked block; here a dict of chained block hashes.
 constexpr const char* kRoundRobinProxy = R"PY(
 import itertools, os
 from aiohttp import ClientSession, web
 
-ups = [u for u in os.environ["UPSTREAM_URLS"].split(",") if u]
+
+class Config:
+    def __init__(self, env=os.environ):
+        self.upstreams = [u for u in env["UPSTREAM_URLS"].split(",") if u]
+        self.block_size = 16
+
+
+class Upstream:
+    def __init__(self, index, url):
+        self.index, self.url = index, url
+
+
+class PrefixRouter:
+    def __init__(self, cfg, n):
+        self.cfg, self.n, self.blocks, self.turn = cfg, n, {}, itertools.count()
+
+    def choose(self, upstreams, model, prompt):
+        pick, prev = next(self.turn) % self.n, hash(model)
+        for i in range(0, len(prompt) - self.cfg.block_size + 1, self.cfg.block_size):
+            prev = hash((prev, tuple(prompt[i:i + self.cfg.block_size])))
+            self.blocks.setdefault(prev, []).append(pick)
+        return upstreams[pick]
+
+
+ups = [u for u in os.environ.get("UPSTREAM_URLS", "").split(",") if u]
 turn = itertools.count()
 stats = {"routed": 0, "affinity": 0, "spilled": 0, "unmatched": 0}
 
@@ -111,25 +138,44 @@ async def session(app):
 app = web.Application()
 app.router.add_route("*", "/{tail:.*}", handle)
 app.cleanup_ctx.append(session)
-web.run_app(app, host="127.0.0.1", port=int(os.environ["PROXY_PORT"]), print=None)
+if __name__ == "__main__":  # loaded as a module (the table's measurement): the classes only
+    web.run_app(app, host="127.0.0.1", port=int(os.environ["PROXY_PORT"]), print=None)
 )PY";
 
 // --reference: the rows against the reference, among them the CPU split into user and system time
 // and the stubs' prefill reuse. At 4 concurrent (never more than the imbalance bound of 8 in
 // flight) our proxy keeps every prompt's rollouts on one replica, so the stubs find more of the
-// prompt tokens cached than behind a round robin, which prefills most prompts on both.
+// prompt tokens cached than behind a round robin, which prefills most prompts on both. The order
+// of the two proxies swaps every round; the direct baseline runs every round too; the reference's
+// bytes per tracked block are measured on its own table in the same run.
 TEST(BenchCli, ProxyAgainstAReferenceSplitsItsCpuAndComparesTheStubsPrefillReuse) {
   TempDir tmp("bench-proxy-ref");
   const auto script = tmp.path() / "round_robin_proxy.py";
   { std::ofstream(script) << kRoundRobinProxy; }
-  auto r = run_lorasync("bench proxy --concurrency 4 --prompts 12 --rounds 2 --reference " +
+  auto r = run_lorasync("bench proxy --concurrency 4 --prompts 12 --rounds 2 --tracked-blocks 20000 --reference " +
                         testing::shell_quote(script.string()) + " --python " + testing::shell_quote(LORASYNC_PYTHON));
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  int reuse = 0;
+  int reuse = 0, block_bytes = 0, vs_direct = 0;
   nlohmann::json total, user, sys;  // the CPU rows' configs
   for (const auto& rec : parse_jsonl(r.out)) {
     const std::string m = rec["metric"];
     const auto& c = rec["config"];
+    if (m == "bytes_per_tracked_block") {
+      ++block_bytes;
+      EXPECT_EQ(c["entries"], 20000) << rec.dump();
+      EXPECT_EQ(c["reference_entries"], 20000) << rec.dump();
+      EXPECT_GT(rec["baseline"].get<double>(), 0) << rec.dump();
+      EXPECT_GT(rec["ratio"].get<double>(), 0) << rec.dump();
+    }
+    if (m == "cpu_ms_per_request_vs_reference") {
+      EXPECT_EQ(c["first_per_round"], nlohmann::json({"ours", "reference"})) << rec.dump();
+    }
+    if (m == "requests_per_s") {
+      ++vs_direct;
+      ASSERT_EQ(c["direct_per_round"].size(), 2u) << rec.dump();
+      ASSERT_EQ(c["ours_per_round"].size(), 2u) << rec.dump();
+      EXPECT_GT(rec["baseline"].get<double>(), 0) << rec.dump();
+    }
     if (m == "cpu_ms_per_request_vs_reference") total = c;
     if (m == "cpu_user_ms_per_request_vs_reference") user = c;
     if (m == "cpu_sys_ms_per_request_vs_reference") sys = c;
@@ -150,6 +196,8 @@ TEST(BenchCli, ProxyAgainstAReferenceSplitsItsCpuAndComparesTheStubsPrefillReuse
     }
   }
   EXPECT_EQ(reuse, 1);
+  EXPECT_EQ(block_bytes, 1);
+  EXPECT_EQ(vs_direct, 1);
   // Per round and per proxy, user + system = the total (the tick ratio only splits it).
   ASSERT_FALSE(total.is_null());
   ASSERT_FALSE(user.is_null());
@@ -167,7 +215,8 @@ TEST(BenchCli, ProxyAgainstAReferenceSplitsItsCpuAndComparesTheStubsPrefillReuse
   }
 }
 
-// LORASYNC_BENCH_PROXY_PICKS: one file per run through a proxy (ours, then the reference), a line
+// LORASYNC_BENCH_PROXY_PICKS: one file per run through a proxy (ours, then the reference, in the
+// first round; the second round would run the reference first), a line
 // per request with the order it was sent and answered in and the replica picked. At 4 concurrent
 // ours keeps each prompt's 8 rollouts on one replica; the round robin stand-in splits prompts.
 // The stubs' service-time spread, nice value and threads (one shared by default, or one per
@@ -176,10 +225,18 @@ TEST(BenchCli, ProxyAgainstAReferenceSplitsItsCpuAndComparesTheStubsPrefillReuse
 TEST(BenchCli, ProxyStubSpreadAndNiceAreTakenAndRecorded) {
   for (const std::string threads : {"", "per-replica"}) {
     auto r = run_lorasync("bench proxy --concurrency 4 --prompts 4 --stub-latency 0.02 --stub-latency-spread 0.5 "
-                          "--stub-nice 5" + (threads.empty() ? std::string() : " --stub-threads " + threads));
+                          "--stub-nice 5 --tracked-blocks 20000" + (threads.empty() ? std::string() : " --stub-threads " + threads));
     ASSERT_EQ(r.exit_code, 0) << r.err;
     int rows = 0;
     for (const auto& rec : parse_jsonl(r.out)) {
+      if (rec["metric"] == "bytes_per_tracked_block") {  // no reference: no baseline (never a constant)
+        EXPECT_TRUE(rec["baseline"].is_null()) << rec.dump();
+        EXPECT_TRUE(rec["ratio"].is_null()) << rec.dump();
+      }
+      if (rec["metric"] == "unmatched_fraction") {  // 1/G is a floor, in the config, not a baseline
+        EXPECT_TRUE(rec["baseline"].is_null()) << rec.dump();
+        EXPECT_EQ(rec["config"]["floor"], 0.125) << rec.dump();
+      }
       if (rec["metric"] != "unmatched_fraction" && rec["metric"] != "added_latency_p99_ms") continue;
       ++rows;
       EXPECT_EQ(rec["config"]["stub_latency_spread"], 0.5) << rec.dump();
@@ -204,7 +261,7 @@ TEST(BenchCli, ProxyPicksAreRecordedPerRequestForOursAndTheReference) {
   const std::string prefix = (tmp.path() / "picks").string();
   auto r = testing::run_command("LORASYNC_BENCH_PROXY_PICKS=" + testing::shell_quote(prefix) + " " +
                                 testing::shell_quote(LORASYNC_BINARY) + " bench proxy --concurrency 4 --prompts 12 " +
-                                "--rounds 1 --reference " + testing::shell_quote(script.string()) + " --python " +
+                                "--rounds 1 --tracked-blocks 20000 --reference " + testing::shell_quote(script.string()) + " --python " +
                                 testing::shell_quote(LORASYNC_PYTHON));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   constexpr int kRequests = 12 * 8;
@@ -241,6 +298,34 @@ TEST(BenchCli, ProxyPicksAreRecordedPerRequestForOursAndTheReference) {
   }
   EXPECT_EQ(split_prompts[0], 0);  // ours: every prompt on one replica
   EXPECT_GT(split_prompts[1], 0);  // the round robin splits them
+}
+
+// --math-verify: our grades/s against Math-Verify's are timed on the same items (the first
+// --math-verify-items of each workload), --math-verify-passes passes on each side, best pass
+// against best pass, with every pass's rate in the config.
+TEST(BenchCli, GradeTimesOursAndMathVerifyOnTheSameItemsBestPassAgainstBestPass) {
+  auto r = run_lorasync("bench grade --seconds 0.01 --threads 1 --math-verify --math-verify-items 20 "
+                        "--math-verify-passes 2 --python " + testing::shell_quote(LORASYNC_PYTHON));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  int rows = 0;
+  for (const auto& rec : parse_jsonl(r.out)) {
+    const std::string m = rec["metric"];
+    if (!m.ends_with("_grades_per_s_vs_math_verify")) continue;
+    ++rows;
+    const auto& c = rec["config"];
+    EXPECT_EQ(c["items"], 20) << rec.dump();
+    EXPECT_EQ(c["passes"], 2) << rec.dump();
+    ASSERT_EQ(c["ours_per_pass"].size(), 2u) << rec.dump();
+    ASSERT_EQ(c["math_verify_per_pass"].size(), 2u) << rec.dump();
+    double ours_best = 0, theirs_best = 0;
+    for (const auto& x : c["ours_per_pass"]) ours_best = std::max(ours_best, x.get<double>());
+    for (const auto& x : c["math_verify_per_pass"]) theirs_best = std::max(theirs_best, x.get<double>());
+    EXPECT_GT(ours_best, 0);
+    EXPECT_GT(theirs_best, 0);
+    EXPECT_NEAR(rec["value"].get<double>(), ours_best, 1e-9 * ours_best) << rec.dump();
+    EXPECT_NEAR(rec["baseline"].get<double>(), theirs_best, 1e-9 * theirs_best) << rec.dump();
+  }
+  EXPECT_EQ(rows, 3) << r.out;  // one per workload
 }
 
 }  // namespace
