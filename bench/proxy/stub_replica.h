@@ -6,7 +6,8 @@
 // /server_info. It simulates a prefix cache over the same chained block hashes as the proxy
 // (unbounded, cleared by /reset_prefix_cache) and reports usage.cached_prompt_tokens, plus the
 // service time it spent in the X-Stub-Service-Us header (so a benchmark can subtract it).
-// Every call is logged (method, target, Authorization, X-Request-Id) for tests.
+// Every call is logged (method, target, Authorization, X-Request-Id, the completions answered
+// before it) for tests; a test may hold completions (hang) and adapter loads (hold_loads).
 // Thread-safety: all members are thread-safe.
 #pragma once
 
