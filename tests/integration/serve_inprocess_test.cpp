@@ -261,6 +261,7 @@ TEST(ServeInProcess, StopWithRequestsRunningAndALoadInFlightEndsEveryOne) {
   for (auto& t : clients) t.join();
   loader.join();
   EXPECT_EQ(whole + closed, 6) << other.load() << " answered otherwise; the first: " << first_other;
+  std::printf("serve in process, stop: %d whole, %d closed\n", whole.load(), closed.load());
   // After stop nothing listens any more.
   EXPECT_EQ(testing::http_request(port, "GET", "/health", "", {}, 5).status, 0);
 }
