@@ -143,6 +143,7 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
       if (http::iequals(h.name, "x-request-id")) c.request_id = h.value;
     }
     if (path != "/v1/completions" && path != "/v1/chat/completions") c.body = req.body;
+    c.completions_answered = completions_answered_.load();
     std::lock_guard lk(mu_);
     if (calls_.size() < 100000) calls_.push_back(std::move(c));
   }
@@ -216,6 +217,7 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
                           {"choices", {{{"index", 0}, {"text", "x"}, {"finish_reason", "length"}}}}, {"usage", usage}};
       auto r = json(200, j);
       r.headers.add("X-Stub-Service-Us", std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count()));
+      completions_answered_ += 1;
       co_await w.send(std::move(r));
       co_return;
     }
@@ -238,6 +240,7 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
         co_return;
       }
     }
+    completions_answered_ += 1;
     co_await w.write("data: [DONE]\n\n");
     co_await w.finish();
     co_return;
@@ -255,6 +258,10 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
     std::string lpath = j.value("lora_path", std::string("/nowhere"));
     int fail = load_fail_status.load();
     if (const double d = load_delay_s.load(); d > 0) co_await nap(d);
+    if (hold_loads.load()) {
+      while (hold_loads.load() && !w.client_gone().fired()) co_await nap(0.005);
+      if (w.client_gone().fired()) co_return;
+    }
     std::unique_lock lk(mu_);
     if (load_tries_++ < opts_.no_adapter_found_first) {
       lk.unlock();

@@ -6,7 +6,8 @@
 // /server_info. It simulates a prefix cache over the same chained block hashes as the proxy
 // (unbounded, cleared by /reset_prefix_cache) and reports usage.cached_prompt_tokens, plus the
 // service time it spent in the X-Stub-Service-Us header (so a benchmark can subtract it).
-// Every call is logged (method, target, Authorization, X-Request-Id) for tests.
+// Every call is logged (method, target, Authorization, X-Request-Id, the completions answered
+// before it) for tests; a test may hold completions (hang) and adapter loads (hold_loads).
 // Thread-safety: all members are thread-safe.
 #pragma once
 
@@ -52,6 +53,9 @@ struct StubCall {
   std::string method, target, authorization, request_id, body;
   int headers_authorization = 0;  // how many Authorization headers arrived
   std::vector<std::string> header_names;
+  // Completions answered before this call arrived (their answer's last bytes handed to the
+  // server): the order of events for tests, e.g. an unload that must come after a request's end.
+  std::uint64_t completions_answered = 0;
 };
 
 // The factor on latency_s of a completion's service time: uniform in [1 - spread, 1 + spread],
@@ -74,6 +78,7 @@ class StubReplica {
   std::atomic<double> latency_s{0};
   std::atomic<int> load_fail_status{0};
   std::atomic<double> load_delay_s{0};    // a load answers after this long (a slow disk)
+  std::atomic<bool> hold_loads{false};    // loads wait unanswered while set (a disk held by a test)
   // Adapter push (docs/http-api.md): a prepare answers this status when != 0; a commit fails
   // (1: the connection is closed without an answer, as a replica that died; 2: 500).
   std::atomic<int> prepare_fail_status{0};
@@ -108,6 +113,7 @@ class StubReplica {
   int load_tries_ = 0;
   std::atomic<bool> paused_{false};
   std::atomic<std::uint64_t> prompt_tokens_{0}, cached_tokens_{0}, completions_{0}, client_gone_{0};
+  std::atomic<std::uint64_t> completions_answered_{0};  // StubCall::completions_answered
   std::atomic<int> open_completions_{0};
   std::atomic<std::uint64_t> draws_{0};  // service-time draws so far (latency_spread)
   std::atomic<int> nice_applied_{0};

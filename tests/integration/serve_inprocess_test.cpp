@@ -3,8 +3,9 @@
 // them under ASan + UBSan and TSan (the asan/tsan presets; the release build runs them too).
 //   - clients on several threads: base and adapters, streaming and not, n > 1, some leaving in the
 //     middle of a stream, while adapters are loaded and unloaded and /health and /metrics are read;
+//     every answer's body is checked against its request (completion_check.h);
 //   - stop() with requests running and an adapter load racing it: every client gets a
-//     whole answer or a closed connection, and stop() returns.
+//     whole answer (checked likewise) or a closed connection, and stop() returns.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -22,6 +23,7 @@
 #include "core/io/checkpoint_dir.h"
 #include "core/model/qwen2_config.h"
 #include "core/model/qwen2_model.h"
+#include "completion_check.h"
 #include "server/api_server.h"
 #include "util/files.h"
 #include "util/http_client.h"
@@ -133,23 +135,29 @@ TEST(ServeInProcess, ConcurrentClientsAdapterChurnAndClientsLeavingMidStream) {
       std::vector<int> prompt(1 + rng() % 60);
       for (auto& t : prompt) t = static_cast<int>(rng() % 150000);
       const bool stream = rng() % 2 == 0;
-      const json req = {{"model", name}, {"prompt", prompt}, {"max_tokens", 1 + rng() % 24},
-                        {"temperature", (rng() % 2) ? 0.0 : 1.0}, {"n", 1 + rng() % 3}, {"stream", stream},
-                        {"logprobs", 1}};
+      json req = {{"model", name}, {"prompt", prompt}, {"max_tokens", 1 + rng() % 24},
+                  {"temperature", (rng() % 2) ? 0.0 : 1.0}, {"n", 1 + rng() % 3}, {"stream", stream},
+                  {"logprobs", 1}, {"return_token_ids", true}};
+      if (stream) req["stream_options"] = {{"include_usage", i % 2 == 0}};
       if (stream && i % 3 == 0) {
         leave_mid_stream(port, req.dump(), 200);
         ++left;
         continue;
       }
       const auto res = testing::http_request(port, "POST", "/v1/completions", req.dump());
+      std::string problem;
       if (res.status == 200) {
-        ++ok;
-      } else if (res.status == 404 && name.rfind("churn-", 0) == 0) {
+        problem = testing::completion_problem(req, res.body, "tiny");
+        if (problem.empty()) ++ok;
+      } else if (res.status == 404 && name.rfind("churn-", 0) == 0 && res.body.find(name) != std::string::npos) {
         ++churn_404;  // that version was just unloaded: the documented answer
       } else {
+        problem = "status " + std::to_string(res.status);
+      }
+      if (!problem.empty()) {
         ++failed;
         std::lock_guard lk(err_mu);
-        if (first_error.empty()) first_error = std::to_string(res.status) + " " + res.body + " for " + req.dump().substr(0, 200);
+        if (first_error.empty()) first_error = problem + ": " + res.body.substr(0, 600) + " for " + req.dump().substr(0, 200);
       }
     }
   };
@@ -206,24 +214,54 @@ TEST(ServeInProcess, StopWithRequestsRunningAndALoadInFlightEndsEveryOne) {
   srv.start();
   const std::uint16_t port = srv.port();
   std::atomic<int> whole{0}, closed{0}, other{0};
+  std::mutex err_mu;
+  std::string first_other;
   std::vector<std::thread> clients;
   for (int i = 0; i < 6; ++i)
     clients.emplace_back([&, i] {
-      const json req = {{"model", "tiny"}, {"prompt", std::vector<int>(8, 100 + i)}, {"max_tokens", 300},
-                        {"temperature", 1.0}, {"stream", i % 2 == 0}, {"ignore_eos", true}};
+      const bool stream = i % 2 == 0;
+      json req = {{"model", "tiny"}, {"prompt", std::vector<int>(8, 100 + i)}, {"max_tokens", 300},
+                  {"temperature", 1.0}, {"stream", stream}, {"ignore_eos", true}, {"return_token_ids", true}};
+      if (stream) req["stream_options"] = {{"include_usage", true}};
       const auto res = testing::http_request(port, "POST", "/v1/completions", req.dump(), {}, 60);
-      if (res.status == 200) ++whole;  // finished within the grace period, or ended by it
-      else if (res.status == 0) ++closed;
-      else ++other;
+      // A 200 is either a whole answer (finished within the grace period: 300 tokens, as
+      // ignore_eos asks) or one the stop cut short: a stream without its [DONE], a JSON body
+      // shorter than its Content-Length. The latter is a closed connection, as is no answer.
+      const auto length = res.headers.find("content-length");
+      const bool cut = res.status == 200 && (stream ? res.body.find("data: [DONE]") == std::string::npos
+                                                    : length != res.headers.end() && res.body.size() < std::stoul(length->second));
+      std::string problem;
+      if (res.status == 0 || cut) {
+        ++closed;
+      } else if (res.status == 200 && (problem = testing::completion_problem(req, res.body, "tiny")).empty()) {
+        ++whole;
+      } else {
+        ++other;
+        std::lock_guard lk(err_mu);
+        if (first_other.empty()) first_other = std::to_string(res.status) + " " + problem + ": " + res.body.substr(0, 400);
+      }
     });
   std::thread loader([&] {
     testing::http_request(port, "POST", "/v1/load_lora_adapter", json{{"lora_name", "late"}, {"lora_path", adapter}}.dump(), {}, 60);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The six requests have reached the engine (accepted) before the stop.
+  auto accepted_now = [&] {
+    const std::string m = testing::http_request(port, "GET", "/metrics").body;
+    const std::string key = "\nlorasync_server_requests_total ";
+    const std::size_t at = m.find(key);
+    return at == std::string::npos ? 0.0 : std::stod(m.substr(at + key.size()));
+  };
+  bool accepted = false;
+  for (int i = 0; i < 600 && !accepted; ++i) {
+    accepted = accepted_now() >= 6;
+    if (!accepted) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(accepted) << "the requests never reached the engine";
   srv.stop(0.2);
   for (auto& t : clients) t.join();
   loader.join();
-  EXPECT_EQ(whole + closed, 6) << other.load() << " answered with another status";
+  EXPECT_EQ(whole + closed, 6) << other.load() << " answered otherwise; the first: " << first_other;
+  std::printf("serve in process, stop: %d whole, %d closed\n", whole.load(), closed.load());
   // After stop nothing listens any more.
   EXPECT_EQ(testing::http_request(port, "GET", "/health", "", {}, 5).status, 0);
 }

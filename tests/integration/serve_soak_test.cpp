@@ -1,6 +1,7 @@
 // Soak (label slow): many concurrent clients with random lengths, mixed base/adapters, streaming
 // and not, while adapters are loaded and unloaded in between. Bounded in time; the server must
-// answer every request correctly and its memory must stay bounded.
+// answer every request correctly (each body checked against its request: completion_check.h) and
+// its memory must stay bounded.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -9,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "completion_check.h"
 #include "core/model/qwen2_config.h"
 #include "test_adapters.h"
 #include "util/child_process.h"
@@ -68,16 +70,23 @@ TEST(ServeSoak, ConcurrentClientsWithAdapterChurn) {
       std::vector<int> prompt(1 + rng() % 200);
       for (auto& t : prompt) t = static_cast<int>(rng() % 150000);
       json req = {{"model", model_name}, {"prompt", prompt}, {"max_tokens", 1 + rng() % 40},
-                  {"temperature", (rng() % 2) ? 0.0 : 1.0}, {"n", 1 + rng() % 3}, {"stream", rng() % 2 == 0}};
+                  {"temperature", (rng() % 2) ? 0.0 : 1.0}, {"n", 1 + rng() % 3}, {"stream", rng() % 2 == 0},
+                  {"return_token_ids", true}};
+      if (req["stream"] == true) req["stream_options"] = {{"include_usage", done % 2 == 0}};
       auto res = testing::http_request(port, "POST", "/v1/completions", req.dump());
+      std::string problem;
       if (res.status == 200) {
-        ++ok;
-      } else if (res.status == 404 && which == 3) {
+        problem = testing::completion_problem(req, res.body, "tiny");
+        if (problem.empty()) ++ok;
+      } else if (res.status == 404 && which == 3 && res.body.find(model_name) != std::string::npos) {
         ++churn_404;  // that version was just unloaded: the documented answer
       } else {
+        problem = "status " + std::to_string(res.status);
+      }
+      if (!problem.empty()) {
         ++failed;
         std::lock_guard<std::mutex> lk(err_mu);
-        if (first_error.empty()) first_error = std::to_string(res.status) + " " + res.body + " for " + req.dump().substr(0, 300);
+        if (first_error.empty()) first_error = problem + ": " + res.body.substr(0, 600) + " for " + req.dump().substr(0, 300);
       }
     }
   };

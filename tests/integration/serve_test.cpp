@@ -25,6 +25,13 @@ namespace {
 using nlohmann::json;
 using testing::http_request;
 
+// The value of the unlabelled series `name` in a /metrics text, -1 when it is absent.
+double metric_value(const std::string& text, const std::string& name) {
+  const std::string key = "\n" + name + " ";
+  const std::size_t at = text.find(key);
+  return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
+}
+
 struct Fixture {
   TempDir dir{"lorasync-serve"};
   fs::path model, adapters;
@@ -303,13 +310,14 @@ TEST_F(Serve, AdapterServingMatchesTrainerLogprobs) {
   EXPECT_EQ(json::parse(f().post("/v1/completions", req).body)["usage"]["cached_prompt_tokens"], 64);
   req["model"] = "tiny";
   EXPECT_EQ(json::parse(f().post("/v1/completions", req).body)["usage"]["cached_prompt_tokens"], 0);
-  // A GRPO group (n = 8) prefills once: the fork counter grows by 7 prompts.
-  auto before = f().get("/metrics").body;
+  // A GRPO group (n = 8) prefills once: the fork counter grows by 7 prompts (7 x 40 tokens).
+  const double before = metric_value(f().get("/metrics").body, "lorasync_server_fork_shared_tokens_total");
   auto g = f().post("/v1/completions", {{"model", "policy-v1"}, {"prompt", std::vector<int>(40, 9)}, {"max_tokens", 2}, {"n", 8}, {"seed", 1}});
   ASSERT_EQ(g.status, 200);
   EXPECT_EQ(json::parse(g.body)["choices"].size(), 8u);
-  auto after = f().get("/metrics").body;
-  EXPECT_NE(after.find("lorasync_server_fork_shared_tokens_total"), std::string::npos);
+  const double after = metric_value(f().get("/metrics").body, "lorasync_server_fork_shared_tokens_total");
+  ASSERT_GE(before, 0) << "no lorasync_server_fork_shared_tokens_total in /metrics";
+  EXPECT_EQ(after - before, 7 * 40);
   EXPECT_EQ(f().post("/v1/unload_lora_adapter", {{"lora_name", "policy-v1"}}).status, 200);
   expect_error(f().post("/v1/completions", {{"model", "policy-v1"}, {"prompt", {1}}}), 404, "policy-v1");
 }
