@@ -305,7 +305,7 @@ struct Pipeline::Impl {
       std::string model_name, body;
       {
         std::lock_guard lk(mu);
-        if (stopping) break;
+        if (stopping || fatal) break;  // no retry once the run ends
         auto it = inflight.find(id);
         it->second.version = current;  // a retry names the then-current version
         it->second.backoff = false;
