@@ -105,6 +105,10 @@ class Chaos {
     proxy_port_ = static_cast<std::uint16_t>(std::stoi(got.substr(got.rfind(':') + 1)));
   }
 
+  // max_staleness = 0: most steps drop a group as stale (the sync runs during the next step's
+  // assembly) and requeue its prompt, so retries are queued and in flight at checkpoints and at the
+  // run's end, where the exactly-once check below looks (with 1 the admission bound leaves
+  // nothing to drop here).
   void write_config(int steps) {
     std::ofstream(config_) << "run_name = \"chaos\"\noutput_dir = \"" << bucket_.string() << "\"\nmax_steps = " << steps
                            << "\nseed = 11\n[model]\npath = \"" << model_.string()
@@ -113,7 +117,7 @@ class Chaos {
                            << "\"\nmax_prompt_tokens = 500\n[generation]\nserver_url = \"http://127.0.0.1:" << proxy_port_
                            << "\"\nmax_new_tokens = 8\ncontext_len = 1024\nserver_wait_s = 120\nrequest_timeout_s = 30\n"
                            << "[grpo]\nnum_generations = 4\n[async]\nmax_inflight = 16\nqueue_maxsize = 32\nscore_workers = 2\n"
-                           << "max_staleness = 1\nretry_backoff_s = 0.2\nretry_backoff_max_s = 1\nmax_retries = 30\nserver_down_s = 300\n"
+                           << "max_staleness = 0\nretry_backoff_s = 0.2\nretry_backoff_max_s = 1\nmax_retries = 30\nserver_down_s = 300\n"
                            << "[batching]\nsamples_per_step = 8\nrow_tokens = 2048\nlogits_chunk = 512\n[optimizer]\nlr = 0.001\n"
                            << "[sync]\nweight_sync_steps = 1\nadapter_retry_interval = 0.2\n[checkpoint]\nsave_steps = 2\n"
                            << "[logging]\nmetrics_port = 0\n";
@@ -201,11 +205,13 @@ TEST(Chaos, TrainerProxyAndReplicasSurviveKillsAndStops) {
   // stored queue), and none is more than one of them; one the cursor has not reached is none.
   std::map<std::pair<int, int>, int> trained, abandoned, owed;
   std::map<std::pair<int, int>, std::string> history;  // for a failure's message
+  int requeued = 0;
   std::int64_t max_version = *versions.rbegin();
   for (const auto& g : testing::read_jsonl(c.bucket_ / "groups.jsonl")) {
     const std::pair<int, int> key{g["epoch"].get<int>(), g["prompt"].get<int>()};
     history[key] += fmt::format(" step {} attempt {}: {};", g["step"].get<int>(), g["attempt"].get<int>(), g["disposition"].get<std::string>());
     if (g["disposition"] == "abandoned") ++abandoned[key];
+    if (g["disposition"] == "dropped_stale" || g["disposition"] == "cancelled") ++requeued;
     if (g["disposition"] != "trained") continue;
     ++trained[key];
     // Provenance: a version the trainer announced (1..the last), checked against its manifest
@@ -240,6 +246,7 @@ TEST(Chaos, TrainerProxyAndReplicasSurviveKillsAndStops) {
     trained_groups += t;
   }
   EXPECT_EQ(trained_groups, static_cast<int>(steps) * 8 / 4) << "each step trains 8 samples, 2 groups of 4";
+  EXPECT_GT(requeued, 0) << "no group was dropped or cancelled as stale: the check saw no retry";
   // Every replica converges to the intended adapters: none of the run (the trainer unloaded them;
   // a replica that was down meanwhile is re-synced by the proxy).
   for (int i = 0; i < 2; ++i) {
@@ -260,8 +267,8 @@ TEST(Chaos, TrainerProxyAndReplicasSurviveKillsAndStops) {
   EXPECT_TRUE(processes_mentioning(c.dir_.path().string()).empty()) << "leaked processes";
   std::string summary;
   for (const auto& [k, n] : injected) summary += fmt::format("{}{} x{}", summary.empty() ? "" : ", ", k, n);
-  std::printf("chaos: seed %ld, %ld steps, %d faults injected and survived (%s); trainer started %d times\n", seed, steps,
-              faults, summary.c_str(), c.trainer_starts_);
+  std::printf("chaos: seed %ld, %ld steps, %d faults injected and survived (%s); trainer started %d times; %d groups "
+              "dropped or cancelled as stale and requeued\n", seed, steps, faults, summary.c_str(), c.trainer_starts_, requeued);
 }
 
 }  // namespace
