@@ -305,7 +305,7 @@ struct Pipeline::Impl {
       std::string model_name, body;
       {
         std::lock_guard lk(mu);
-        if (stopping) break;
+        if (stopping || fatal) break;  // no retry once the run ends
         auto it = inflight.find(id);
         it->second.version = current;  // a retry names the then-current version
         it->second.backoff = false;
@@ -373,11 +373,7 @@ struct Pipeline::Impl {
       }
       {
         std::lock_guard lk(mu);
-        if (fatal) {
-          end_inflight_locked(id);
-          cv_trainer.notify_all();
-          co_return;
-        }
+        if (fatal) break;  // the run ends: the prompt stays owed (below), like a stop's
         if (++retries > a.max_retries) {
           ++counters["rollout/failed_total"];
           LS_LOG_WARN("trainer", "rollout of prompt {} failed after {} retries: {}", f.prompt.index, a.max_retries, why);
@@ -397,7 +393,9 @@ struct Pipeline::Impl {
       boost::system::error_code ec;
       co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     }
-    // Stopping: the prompt returns to the front of the dispatch order with the same attempt.
+    // Stopping, or a fatal error (this group's or another's) that ends the run: the request gave
+    // nothing, so the prompt returns to the front of the dispatch order with the same attempt and
+    // the checkpoint written on the way out owes it (trainer.md "exactly once").
     std::lock_guard lk(mu);
     if (inflight.count(id)) {
       cursor.redo.push_front(f.prompt);

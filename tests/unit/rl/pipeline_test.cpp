@@ -13,6 +13,7 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <tuple>
 #include <thread>
 
 #include "core/tokenizer/tokenizer.h"
@@ -283,5 +284,87 @@ TEST_F(PipelineFixture, ThreadsAgreeUnderVersionChurn) {
               server.requests(), dispositions["cancelled"], server.gone(), stale_dropped, trained_versions.size());
 }
 
+
+// A server that refuses the request for one prompt with a configuration error (HTTP 400: fatal to
+// the run) and holds the request for another until the test releases it, then answers 503 (a
+// retryable error, seen after the fatal one).
+class RefusingServer {
+ public:
+  RefusingServer(std::int32_t refused, std::int32_t held) : refused_(refused), held_(held) {
+    server_ = std::make_unique<http::Server>(http::ServerOptions{}, [this](http::Request& req, http::ResponseWriter& w) { return handle(req, w); });
+    server_->start();
+  }
+  ~RefusingServer() { server_->stop(1.0); }
+  std::uint16_t port() const { return server_->port(); }
+  void release() { released_ = true; }
+  bool holding() const { return holding_; }
+
+ private:
+  http::Task<void> handle(http::Request& req, http::ResponseWriter& w) {
+    const json body = json::parse(req.body, nullptr, false);
+    const std::int32_t last = body["prompt"].back().get<std::int32_t>();
+    if (last == refused_) {
+      co_await w.send(http::error_response(400, "max_tokens is too large (scripted)"));
+      co_return;
+    }
+    if (last == held_) {
+      holding_ = true;
+      while (!released_)
+        if (!co_await testing::hold_unless_client_leaves(w, 0.002)) co_return;
+    }
+    co_await w.send(http::json_response(503, R"x({"error":{"message":"overloaded (scripted)"}})x"));
+  }
+
+  std::int32_t refused_, held_;
+  std::atomic<bool> released_{false}, holding_{false};
+  std::unique_ptr<http::Server> server_;
+};
+
+// Exactly once when the run ends on a fatal error: a group in flight when a server's answer is
+// fatal (here a retry, requeued after its first attempt was dropped as stale, whose request fails
+// after the fatal answer to another group's) ends with its prompt back in the redo list, with its
+// attempt, so the checkpoint written on the way out still owes it; so does the refused group's.
+// (Both used to end without a trace: neither trained, nor owed, nor abandoned.)
+TEST_F(PipelineFixture, GroupsInFlightAtAFatalErrorStayOwed) {
+  data.problems.clear();
+  for (std::int32_t i = 0; i < 4; ++i) data.problems.push_back({i, "p" + std::to_string(i), {"1"}, {1, 2, 3, 40 + i}});
+  data.n_rows = 4;
+  PipelineOptions o;
+  o.cfg.data.shuffle = false;
+  o.cfg.async.max_staleness = 1;
+  o.cfg.async.max_inflight = 8;  // two groups of 4
+  o.cfg.async.retry_backoff_s = 0.001;
+  o.cfg.async.retry_backoff_max_s = 0.002;
+  o.cfg.grpo.num_generations = 4;
+  o.vocab = 151936;
+  o.prefix = "policy";
+  RefusingServer server(/*refused=*/40, /*held=*/43);  // prompt 0's first attempt; prompt 3's retry
+  o.server_url = fmt::format("http://127.0.0.1:{}", server.port());
+  Pipeline p(o, data, tokenizer, reward::make_reward_function("math_boxed"), [this](const GroupEvent& e) { events.push_back(e); });
+  p.init_fresh();
+  p.add_version({1, 0, "policy-v1", ""});
+  p.switch_to(1);
+  Group g = make_group(3, 1, 0);
+  p.drop_stale(g, 2);  // prompt 3, attempt 1: requeued as attempt 2, dispatched first
+  p.start();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((!p.fatal() || !server.holding()) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(p.fatal());
+  EXPECT_NE(p.fatal()->find("HTTP 400"), std::string::npos) << *p.fatal();
+  server.release();  // the retry's request now fails (503), after the fatal answer
+  while (p.inflight_sequences() > 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ(p.inflight_sequences(), 0);
+  p.stop();  // the trainer's way out: stop, then the checkpoint's capture
+  const PipelineState st = p.capture();
+  std::set<std::tuple<std::int64_t, std::int64_t, std::int64_t>> redo;
+  for (const auto& r : st.cursor.redo) redo.insert({r.index, r.epoch, r.attempt});
+  EXPECT_EQ(redo, (std::set<std::tuple<std::int64_t, std::int64_t, std::int64_t>>{{3, 0, 2}, {0, 0, 1}}));
+  EXPECT_TRUE(st.groups.empty());
+  EXPECT_EQ(st.cursor.position, 1);  // nothing else was dispatched after the fatal answer
+  ASSERT_EQ(events.size(), 1u);      // the drop; no abandonment, no failure
+  EXPECT_EQ(events[0].disposition, "dropped_stale");
+}
 }  // namespace
 }  // namespace lorasync::rl
