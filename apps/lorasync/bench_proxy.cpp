@@ -38,6 +38,7 @@
 #include "bench/proxy/grpo_trace.h"
 #include "bench/proxy/stub_replica.h"
 #include "commands.h"
+#include "proc_stats.h"
 #include "http/client.h"
 #include "proxy/block_table.h"
 #include "util/bench_report.h"
@@ -200,52 +201,6 @@ Child spawn_reference(const BenchProxyOptions& o, const std::vector<std::string>
   return ch;
 }
 
-// The process's user and system CPU as the kernel reports them in /proc/PID/stat (utime, stime:
-// clock ticks, every thread, live and ended). The kernel splits its precise run time between the
-// two by the ratio of the timer ticks that found the process in each mode, so over a round the
-// ratio is an estimate (a few hundred ticks at this load), used to split proc_cpu_s's total (and
-// as proc_cpu_s's fallback). {0, 0} when the file cannot be read.
-std::pair<double, double> proc_user_sys_ticks(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string s((std::istreambuf_iterator<char>(f)), {});
-  const auto rp = s.rfind(')');
-  if (rp == std::string::npos || rp + 2 > s.size()) return {0, 0};
-  std::istringstream is(s.substr(rp + 2));
-  std::string tok;
-  std::vector<std::string> v;
-  while (is >> tok) v.push_back(tok);
-  if (v.size() < 13) return {0, 0};
-  return {std::stod(v[11]), std::stod(v[12])};
-}
-
-// CPU seconds of every thread of `pid`, from the scheduler's nanosecond counters
-// (/proc/PID/task/*/schedstat: time on the CPU first). /proc/PID/stat counts 10 ms ticks, which at
-// a few hundredths of a millisecond per request is too coarse; it is the fallback.
-double proc_cpu_s(pid_t pid) {
-  const std::string task_dir = "/proc/" + std::to_string(pid) + "/task";
-  double total = 0;
-  bool any = false;
-  std::error_code ec;
-  for (const auto& t : std::filesystem::directory_iterator(task_dir, ec)) {
-    std::ifstream f(t.path() / "schedstat");
-    double ns = 0;
-    if (f >> ns) {
-      total += ns / 1e9;
-      any = true;
-    }
-  }
-  if (any) return total;
-  const auto [user, sys] = proc_user_sys_ticks(pid);
-  return (user + sys) / static_cast<double>(sysconf(_SC_CLK_TCK));
-}
-
-double proc_hwm_mb(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  return 0;
-}
 
 struct RunResult {
   // Latency percentiles over the requests after each worker's first (the first opens the client's
@@ -367,7 +322,7 @@ Round measure_round(const Child& ch, const std::vector<bench::TraceRequest>& tra
   const double sys_share = du + ds > 0 ? ds / (du + ds) : 0;
   r.cpu_sys_ms = r.cpu_ms * sys_share;
   r.cpu_user_ms = r.cpu_ms - r.cpu_sys_ms;
-  r.rss = proc_hwm_mb(ch.pid);
+  r.rss = proc_status_mib(ch.pid, "VmHWM");
   const nlohmann::json stats = get_json(url, "/proxy/stats");
   if (stats.is_object() && stats.contains("router")) r.router = stats["router"];
   kill(ch.pid, SIGTERM);

@@ -17,14 +17,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "commands.h"
+#include "proc_stats.h"
 #include "util/bench_report.h"
 #include "util/error.h"
 #include "util/process.h"
@@ -45,29 +44,6 @@ struct Start {
 std::string dir_of(const std::string& path) {
   const auto slash = path.rfind('/');
   return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
-}
-
-// VmRSS of `pid` in MiB, 0 if unreadable.
-double rss_mib(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  return 0;
-}
-
-// CPU time of every thread of `pid` in ms, from the scheduler's nanosecond counters
-// (/proc/PID/task/*/schedstat, time on the CPU first); /proc/PID/stat's 10 ms ticks are too coarse
-// for a start that takes a few ms. 0 if unreadable.
-double cpu_ms(pid_t pid) {
-  double ns = 0;
-  std::error_code ec;
-  for (const auto& t : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
-    std::ifstream f(t.path() / "schedstat");
-    double v = 0;
-    if (f >> v) ns += v;
-  }
-  return ns / 1e6;
 }
 
 Start start_once(const std::string& exe, const BenchStartupOptions& o) {
@@ -109,8 +85,8 @@ Start start_once(const std::string& exe, const BenchStartupOptions& o) {
   const bool listening = done && line.find("\"listening\"") != std::string::npos;
   if (listening) {
     std::this_thread::sleep_for(std::chrono::milliseconds(o.settle_ms));
-    s.rss_mib = rss_mib(pid);
-    s.cpu_ms = cpu_ms(pid);
+    s.rss_mib = proc_status_mib(pid, "VmRSS");
+    s.cpu_ms = proc_cpu_s(pid) * 1000.0;
   }
   ::kill(pid, SIGKILL);
   int st = 0;

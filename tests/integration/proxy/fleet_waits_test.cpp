@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fleet_fixture.h"
+#include "util/loopback.h"
 
 namespace lorasync::proxy {
 namespace {
@@ -39,12 +40,8 @@ int decisions(const Fleet& f) {
 
 // A POST of `body` to `target` on a raw connection, left open (the caller closes it to leave).
 int post_raw(std::uint16_t port, const std::string& target, const std::string& body) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const int fd = testing::connect_loopback(port);
+  EXPECT_GE(fd, 0) << "connection to port " << port << " refused";
   const std::string req = "POST " + target + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
                           std::to_string(body.size()) + "\r\n\r\n" + body;
   EXPECT_EQ(::send(fd, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));

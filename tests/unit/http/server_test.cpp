@@ -35,6 +35,7 @@
 
 #include "http/server.h"
 #include "util/error.h"
+#include "util/loopback.h"
 
 namespace lorasync::http {
 namespace {
@@ -63,12 +64,8 @@ struct Echo {
 };
 
 int connect_to(std::uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  const int fd = testing::connect_loopback(port);
+  EXPECT_GE(fd, 0) << "connection to port " << port << " refused";
   return fd;
 }
 
@@ -140,14 +137,9 @@ int request_in_flight(Slow& s, const std::string& path, int n) {
 
 // Whether a connection to `port` is accepted (false once stop() has closed the listener).
 bool listening(std::uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
-  ::close(fd);
-  return ok;
+  const int fd = testing::connect_loopback(port);
+  if (fd >= 0) ::close(fd);
+  return fd >= 0;
 }
 
 class HttpServerThreads : public ::testing::TestWithParam<int> {};
