@@ -577,6 +577,7 @@ http::Task<void> Proxy::Impl::health_loop(int r) {
   auto next_probe = Clock::now();
   const auto interval = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.probe_interval));
   while (!stopping.load()) {
+    rep.health_wakeups.fetch_add(1, std::memory_order_relaxed);
     bool failed = false;
     try {
     ReplicaState s = rep.get();

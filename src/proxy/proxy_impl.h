@@ -34,6 +34,9 @@ struct Replica {
   std::atomic<int> state{0};
   std::atomic<int> consecutive_failures{0};
   std::atomic<std::uint64_t> failures{0}, ejections{0};
+  // Passes of the replica's health loop (each a wake-up: a probe due, a state change, a failure);
+  // in /stats, so a loop that spins instead of sleeping shows as a count, not as CPU time.
+  std::atomic<std::uint64_t> health_wakeups{0};
   std::atomic<std::int64_t> inflight_all{0};
   // Health loop fields (touched by the replica's own health coroutine and under mu).
   std::mutex mu;

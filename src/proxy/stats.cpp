@@ -117,7 +117,8 @@ nlohmann::json Proxy::Impl::stats_json() const {
                               {"inflight_all", r->inflight_all.load()},
                               {"routed", s.routed_per_replica[static_cast<std::size_t>(r->index)]},
                               {"failures", r->failures.load()}, {"consecutive_failures", r->consecutive_failures.load()},
-                              {"ejections", r->ejections.load()}, {"pending_unloads", pending}});
+                              {"ejections", r->ejections.load()}, {"health_wakeups", r->health_wakeups.load()},
+                              {"pending_unloads", pending}});
   }
   j["router"] = {{"routed", s.routed}, {"affinity", s.affinity}, {"spilled", s.spilled}, {"unmatched", s.unmatched},
                  {"tracked_blocks", s.tracked_blocks}, {"evicted_blocks", s.evicted_blocks},

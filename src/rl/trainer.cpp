@@ -544,8 +544,20 @@ int Trainer::run_main() {
       loaded = loaded_;
     }
     for (auto v : loaded) unload_adapter(publisher_->name_of(v));
-    std::printf("%s\n", json{{"event", "finished"}, {"step", step_}, {"final_adapter", (out_ / "final_adapter").string()}}.dump().c_str());
+    // A fatal error raised after the last step's groups were assembled (a refused request of the
+    // next step's rollouts) did not stop the run, but it is still a failure (trainer.md §1: exit 1
+    // with the error): the final checkpoint and adapter are written and consistent, and the
+    // checkpoint owes the refused prompt.
+    const std::optional<std::string> late = pipe_->fatal();
+    json fin = {{"event", "finished"}, {"step", step_}, {"final_adapter", (out_ / "final_adapter").string()}};
+    if (late) fin["error"] = *late;
+    std::printf("%s\n", fin.dump().c_str());
     std::fflush(stdout);
+    if (late) {
+      LS_LOG_ERROR("trainer", "{}", *late);
+      std::fprintf(stderr, "lorasync train: error after the last step (final checkpoint and adapter written): %s\n", late->c_str());
+      return 1;
+    }
     return 0;
   } catch (const Preempted&) {
     if (tty_) std::fprintf(stderr, "\n");

@@ -51,6 +51,8 @@ class FakeReplica {
   virtual http::Response completions(const json& body, const std::string& model, const std::string& sha) = 0;
   // Called with the lock held, before completions(): seconds to hold this request (0: answer now).
   virtual double hold_s(const json& /*body*/, const std::string& /*model*/) { return 0; }
+  // Called with the lock held: seconds to hold the answer to a load of adapter `name` (0: now).
+  virtual double load_hold_s(const std::string& /*name*/) { return 0; }
   void start() {
     server_ = std::make_unique<http::Server>(http::ServerOptions{}, [this](http::Request& req, http::ResponseWriter& w) -> http::Task<void> {
       double hold = 0;
@@ -97,6 +99,7 @@ class FakeReplica {
       }
       loaded_[name] = m["adapter_sha256"];
       most_loaded_ = std::max(most_loaded_, static_cast<int>(loaded_.size()));
+      hold = load_hold_s(name);
       return http::json_response(200, "\"ok\"");
     }
     if (path == "/v1/unload_lora_adapter") {
@@ -129,12 +132,17 @@ class DeterministicServer : public FakeReplica {
   }
   ~DeterministicServer() override { stop(); }
 
- private:
-  http::Response completions(const json& body, const std::string& model, const std::string& sha) override {
+ protected:
+  // N of the request's "What is N + 1?" (-1 if the prompt is not one).
+  int problem_of(const json& body) const {
     const std::string prompt = tok_.decode(body["prompt"].get<std::vector<std::int32_t>>());
     std::smatch m;
-    if (!std::regex_search(prompt, m, std::regex(R"(What is (\d+) \+ 1)"))) return http::json_response(400, "{}");
-    const int n = std::stoi(m[1]);
+    if (!std::regex_search(prompt, m, std::regex(R"(What is (\d+) \+ 1)"))) return -1;
+    return std::stoi(m[1]);
+  }
+  http::Response completions(const json& body, const std::string& model, const std::string& sha) override {
+    const int n = problem_of(body);
+    if (n < 0) return http::json_response(400, "{}");
     if (n == fail_prompt_ && fail_count_ > 0) {
       --fail_count_;
       return http::json_response(503, R"x({"error":{"message":"overloaded (scripted)"}})x");

@@ -318,6 +318,55 @@ TEST(TrainFaults, ATightSlotBudgetSurvivesCancelledRequestsOfTheVersionLeavingTh
   EXPECT_EQ(fake.most_loaded(), 3);
 }
 
+// Answers requests for the first version as DeterministicServer does and refuses every request
+// for a later version with a permanent 400. The load of version 2 (the sync after step 1) is held
+// 1 s, so step 2's groups (version 1, dispatched during step 1) are assembled before the switch;
+// the load of version 3 (the sync after step 2, the last) is held 2 s, so the refusals of the
+// version-2 requests reach the trainer after its last step and before it stops the pipeline.
+class LateRefusalServer : public DeterministicServer {
+ public:
+  LateRefusalServer() = default;
+  ~LateRefusalServer() override { stop(); }
+  std::set<int> refused() const {
+    std::lock_guard lk(refused_mu_);
+    return refused_;
+  }
+
+ private:
+  http::Response completions(const json& body, const std::string& model, const std::string& sha) override {
+    if (model == "policy-v1") return DeterministicServer::completions(body, model, sha);
+    std::lock_guard lk(refused_mu_);
+    refused_.insert(problem_of(body));
+    return http::json_response(400, R"x({"error":{"message":"max_tokens is too large for this deployment (scripted)"}})x");
+  }
+  double load_hold_s(const std::string& name) override { return name == "policy-v2" ? 1.0 : name == "policy-v3" ? 2.0 : 0.0; }
+  mutable std::mutex refused_mu_;
+  std::set<int> refused_;
+};
+
+// A fatal refusal that lands after the last step's groups were assembled ends a run that trained
+// every step: the final checkpoint and adapter are written, the refused prompts are owed by that
+// checkpoint, and the exit status is still 1 with the server's message (trainer.md §1).
+TEST(TrainFaults, AFatalRefusalAfterTheLastStepStillExitsOneAndIsOwed) {
+  LateRefusalServer fake;
+  TrainRun run(fake.port(), 2);
+  testing::patch_file(run.config, "weight_sync_steps = 2", "weight_sync_steps = 1");
+  auto r = testing::run_lorasync("train --config " + testing::shell_quote(run.config.string()));
+  const std::string tail = r.err.substr(r.err.size() > 20000 ? r.err.size() - 20000 : 0);
+  EXPECT_EQ(r.exit_code, 1) << tail;
+  EXPECT_NE(r.err.find("error after the last step"), std::string::npos) << tail;
+  EXPECT_NE(r.err.find("too large for this deployment"), std::string::npos) << tail;
+  EXPECT_EQ(testing::read_jsonl(run.out / "metrics.jsonl").size(), 2u) << tail;
+  EXPECT_EQ(read_file(run.out / "checkpoints" / "latest"), "step-000002\n");
+  EXPECT_TRUE(fs::exists(run.out / "final_adapter" / "adapter_config.json"));
+  const std::set<int> refused = fake.refused();
+  ASSERT_FALSE(refused.empty()) << "no request for version 2 was refused: the run did not get where the test looks";
+  const json state = json::parse(read_file(run.out / "checkpoints" / "step-000002" / "state.json"));
+  std::set<int> owed;
+  for (const auto& p : state.at("cursor").at("redo")) owed.insert(p.at(0).get<int>());
+  for (int n : refused) EXPECT_TRUE(owed.count(n)) << "refused prompt " << n << " is not owed: " << state.at("cursor").dump();
+}
+
 // A row that cannot fit in memory is refused at start (exit 2), with the numbers to change.
 TEST(TrainFaults, ARowThatCannotFitInMemoryIsRefusedAtStart) {
   DeterministicServer fake;

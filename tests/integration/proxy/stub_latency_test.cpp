@@ -70,8 +70,7 @@ TEST(StubLatency, CompletionsTakeTheirDrawnServiceTimes) {
       ASSERT_NE(v, nullptr);
       const double got = std::strtod(v->c_str(), nullptr) / 1000.0;
       const double want = 40.0 * service_time_factor(so.seed, so.index, static_cast<std::uint64_t>(i), spread);
-      EXPECT_GE(got, want - 0.01) << "completion " << i << " spread " << spread;
-      EXPECT_LT(got, want + 30.0) << "completion " << i << " spread " << spread;  // a timer fires late, never early
+      EXPECT_GE(got, want - 0.01) << "completion " << i << " spread " << spread;  // a timer fires late, never early
       ms.push_back(want);
     }
     const double range = *std::max_element(ms.begin(), ms.end()) - *std::min_element(ms.begin(), ms.end());
@@ -168,14 +167,13 @@ TEST(StubFleet, OneThreadServesEveryReplica) {
     }
     late.join();
     EXPECT_EQ(order, (std::vector<int>{0, 1}));
-    // A completion still waiting when the fleet stops: its connection closes, nothing hangs.
-    fleet[0].latency_s.store(30);
+    // A completion still waiting when the fleet stops: its connection closes, nothing hangs (its
+    // service time is an hour: a stop that waited for it would hold the test until its timeout).
+    fleet[0].latency_s.store(3600);
     std::thread held([&] { EXPECT_NE(call(fleet[0].port(), "POST", "/v1/completions", ids_prompt({9})).status, 200); });
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const auto t0 = std::chrono::steady_clock::now();
     fleet.stop();
     held.join();
-    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
     fleet.stop();  // idempotent
   }
   StubFleet never_started(StubOptions{}, 2);  // goes without start()

@@ -236,14 +236,15 @@ TEST(HttpClient, AStalledBodyEndsInAnIdleTimeout) {
   });
   boost::asio::io_context ioc;
   Pool pool = make_pool(up);
-  auto g = call(ioc, pool, quick(30, 0.3, 60));
+  // The other deadlines are an hour away: only the idle one can end the call.
+  auto g = call(ioc, pool, quick(3600, 0.3, 3600));
   EXPECT_EQ(g.error, CallError::kIdleTimeout) << call_error_name(g.error);
-  EXPECT_LT(g.seconds, 5);
   EXPECT_EQ(pool.idle_connections(), 0u);
 }
 
 TEST(HttpClient, AnEarlierDeadlineOnAReusedConnectionFiresOnTime) {
-  // The first call arms the connection's timer for a minute; the second asks for 0.3 s.
+  // The first call arms the connection's timer for an hour; the second asks for 0.3 s (a timer
+  // left armed for the hour would hold the test until its timeout).
   Upstream up([](int fd, int) {
     if (!read_request(fd)) return;
     send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nA");
@@ -252,11 +253,10 @@ TEST(HttpClient, AnEarlierDeadlineOnAReusedConnectionFiresOnTime) {
   });
   boost::asio::io_context ioc;
   Pool pool = make_pool(up);
-  auto g1 = call(ioc, pool, quick(60, 60));
+  auto g1 = call(ioc, pool, quick(3600, 3600));
   EXPECT_EQ(g1.body, "A");
-  auto g2 = call(ioc, pool, quick(0.3, 60));
+  auto g2 = call(ioc, pool, quick(0.3, 3600));
   EXPECT_TRUE(g2.error == CallError::kFirstByteTimeout) << call_error_name(g2.error);
-  EXPECT_LT(g2.seconds, 5);
 }
 
 TEST(HttpClient, TheFirstByteDeadlineDoesNotEndACallWhoseHeadArrivedInTime) {
@@ -286,9 +286,8 @@ TEST(HttpClient, TheTotalTimeoutEndsACallBeforeItsFirstByteTimeout) {
   });
   boost::asio::io_context ioc;
   Pool pool = make_pool(up);
-  auto g = call(ioc, pool, quick(30, 30, 0.3));
+  auto g = call(ioc, pool, quick(3600, 3600, 0.3));  // the other deadlines an hour away
   EXPECT_EQ(g.error, CallError::kTotalTimeout) << call_error_name(g.error);
-  EXPECT_LT(g.seconds, 5);
 }
 
 TEST(HttpClient, AReusedConnectionResetBeforeTheStatusIsRetriedOnceOnAFreshOne) {

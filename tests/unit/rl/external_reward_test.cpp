@@ -27,9 +27,6 @@ namespace {
 using reward::RewardCallFailed;
 using reward::RewardFailure;
 using reward::RewardInput;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 struct Scripts {
   TempDir dir{"lorasync-ext-reward"};
@@ -75,10 +72,10 @@ RewardInput input(const std::string& completion, std::vector<std::string> refs =
   return in;
 }
 
-// Expects the call to fail with `kind` within `max_s` seconds.
-void expect_failure(const reward::RewardFunction& fn, const RewardInput& in, RewardFailure kind, double max_s,
-                    const std::string& needle = "") {
-  const auto t0 = Clock::now();
+// Expects the call to fail with `kind` (and `needle` in its message). No bound on its time: the
+// scripts' hangs last an hour, so a deadline that did not fire shows as the test's timeout, and
+// the failure's kind and message say which deadline or check ended the call.
+void expect_failure(const reward::RewardFunction& fn, const RewardInput& in, RewardFailure kind, const std::string& needle = "") {
   try {
     fn.score(in);
     ADD_FAILURE() << "no failure for '" << in.completion << "'";
@@ -88,7 +85,6 @@ void expect_failure(const reward::RewardFunction& fn, const RewardInput& in, Rew
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   }
-  EXPECT_LT(seconds_since(t0), max_s) << in.completion;
 }
 
 TEST(ExternalReward, CommandWorkersAnswerConcurrentCallsWithinThePool) {
@@ -121,13 +117,13 @@ TEST(ExternalReward, AHangACrashAndGarbageFailOnlyTheirOwnCall) {
   Scripts s;
   auto fn = rl::make_external_reward(command_options(s.write("w.py", kMisbehaving), 1.0, 1));
   EXPECT_DOUBLE_EQ(fn->score(input("abcd")).reward, 0.04);  // starts the worker (within startup_s)
-  expect_failure(*fn, input("hang"), RewardFailure::kTimeout, 5.0, "within 1 s");
+  expect_failure(*fn, input("hang"), RewardFailure::kTimeout, "within 1 s");
   EXPECT_DOUBLE_EQ(fn->score(input("ab")).reward, 0.02);  // a new worker took the killed one's place
-  expect_failure(*fn, input("crash"), RewardFailure::kCrashed, 5.0, "exited with status 3");
+  expect_failure(*fn, input("crash"), RewardFailure::kCrashed, "exited with status 3");
   EXPECT_DOUBLE_EQ(fn->score(input("abc")).reward, 0.03);
-  expect_failure(*fn, input("garbage"), RewardFailure::kInvalidOutput, 3.0, "not JSON");
-  expect_failure(*fn, input("range"), RewardFailure::kInvalidOutput, 3.0, "[0, 1]");
-  expect_failure(*fn, input("endless"), RewardFailure::kInvalidOutput, 3.0, "without a newline");
+  expect_failure(*fn, input("garbage"), RewardFailure::kInvalidOutput, "not JSON");
+  expect_failure(*fn, input("range"), RewardFailure::kInvalidOutput, "[0, 1]");
+  expect_failure(*fn, input("endless"), RewardFailure::kInvalidOutput, "without a newline");
   EXPECT_DOUBLE_EQ(fn->score(input("abcde")).reward, 0.05);
 }
 
@@ -184,7 +180,6 @@ TEST(ExternalReward, ShutdownFailsRunningAndWaitingCallsAtOnce) {
       if (e.kind() == RewardFailure::kUnavailable) ++unavailable;
     }
   };
-  const auto t0 = Clock::now();
   std::thread running(call, "hang");
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   std::thread waiting(call, "ok");  // no free worker: waits
@@ -192,9 +187,8 @@ TEST(ExternalReward, ShutdownFailsRunningAndWaitingCallsAtOnce) {
   fn->shutdown();
   running.join();
   waiting.join();
-  EXPECT_EQ(unavailable.load(), 2);
-  EXPECT_LT(seconds_since(t0), 3.0);  // not the 60 s deadline
-  expect_failure(*fn, input("ok"), RewardFailure::kUnavailable, 1.0, "shutting down");
+  EXPECT_EQ(unavailable.load(), 2);  // both ended by the shutdown, not by the deadline (kTimeout)
+  expect_failure(*fn, input("ok"), RewardFailure::kUnavailable, "shutting down");
 }
 
 TEST(ExternalReward, ConfigurationErrorsNameTheOption) {
@@ -216,7 +210,7 @@ TEST(ExternalReward, ConfigurationErrorsNameTheOption) {
   o.kind = "command";
   o.command = {"/nonexistent/reward-program"};
   auto fn = rl::make_external_reward(o);
-  expect_failure(*fn, input("x"), RewardFailure::kUnavailable, 3.0, "cannot start '/nonexistent/reward-program'");
+  expect_failure(*fn, input("x"), RewardFailure::kUnavailable, "cannot start '/nonexistent/reward-program'");
 }
 
 // A one-connection-at-a-time HTTP server answering by the request body.
@@ -295,12 +289,12 @@ TEST(ExternalReward, HttpRewardAnswersTimesOutAndFails) {
   o.timeout_s = 1.5;
   auto fn = rl::make_external_reward(o);
   EXPECT_DOUBLE_EQ(fn->score(input("fine")).reward, 0.25);
-  expect_failure(*fn, input("hang"), RewardFailure::kTimeout, 6.0);
-  expect_failure(*fn, input("garbage"), RewardFailure::kInvalidOutput, 6.0, "not JSON");
-  expect_failure(*fn, input("error"), RewardFailure::kCrashed, 6.0, "HTTP 500");
+  expect_failure(*fn, input("hang"), RewardFailure::kTimeout);
+  expect_failure(*fn, input("garbage"), RewardFailure::kInvalidOutput, "not JSON");
+  expect_failure(*fn, input("error"), RewardFailure::kCrashed, "HTTP 500");
   EXPECT_DOUBLE_EQ(fn->score(input("fine again")).reward, 0.25);
   o.url = "http://127.0.0.1:1/score";  // nothing listens
-  expect_failure(*rl::make_external_reward(o), input("x"), RewardFailure::kCrashed, 3.0);
+  expect_failure(*rl::make_external_reward(o), input("x"), RewardFailure::kCrashed);
 }
 
 TEST(ExternalReward, PythonUnitTestsExampleScoresCodeInTheSandbox) {
@@ -311,9 +305,9 @@ TEST(ExternalReward, PythonUnitTestsExampleScoresCodeInTheSandbox) {
   const std::vector<std::string> tests = {"assert add(2, 3) == 5", "assert add(-1, 1) == 0\nassert add(0, 0) == 0"};
   EXPECT_DOUBLE_EQ(fn->score(input("Here:\n```python\ndef add(a, b):\n    return a + b\n```\n", tests)).reward, 1.0);
   EXPECT_DOUBLE_EQ(fn->score(input("```python\ndef add(a, b):\n    return a + b + (a == 2)\n```", tests)).reward, 0.5);
-  const auto t0 = Clock::now();
+  // Each test is killed after its 1 s (--test-timeout): the call answers 0, where a test left to
+  // run would have ended the call at its 20 s deadline with a timeout (thrown, failing here).
   EXPECT_DOUBLE_EQ(fn->score(input("```python\ndef add(a, b):\n    while True: pass\n```", tests)).reward, 0.0);
-  EXPECT_LT(seconds_since(t0), 5.0);  // each test was killed after its 1 s
   if (rl::network_isolation_available()) {
     const std::string net = "```python\nimport socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\n"
                             "def add(a, b):\n    return a + b\n```";
