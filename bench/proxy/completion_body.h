@@ -4,7 +4,8 @@
 // sorted), for n choices of max_tokens generated tokens each. With `logprobs` and
 // `return_token_ids` (what the trainer asks for, src/rl/pipeline.cpp) a choice carries its text,
 // `logprobs` {text_offset, token_logprobs, tokens, top_logprobs: null}, `token_ids` and the prompt's
-// `prompt_token_ids`: about 4.9 KB per choice at 256 tokens and the trace's prompts.
+// `prompt_token_ids`: 11.8 KB per choice at 256 tokens and the trace's prompts (112-432 ids), as
+// `bench proxy` reports it (stub_body_bytes_per_choice); the logprobs alone are ~4.9 KB of it.
 // The generated tokens are real Qwen2 tokens (ids and texts): a table of 512, every 69th token of
 // the ASCII problems of MATH-500 under the Qwen2 tokenizer (2.87 bytes and 3.15 id digits per token,
 // the corpus' 2.76 and 3.13), with a logprob drawn per token. A test renders the same tokens
