@@ -37,6 +37,7 @@
 
 #include "bench/proxy/grpo_trace.h"
 #include "bench/proxy/stub_replica.h"
+#include "bench_proxy.h"
 #include "commands.h"
 #include "proc_stats.h"
 #include "http/client.h"
@@ -48,25 +49,7 @@
 
 namespace lorasync::cli {
 
-namespace {
-
-struct BenchProxyOptions {
-  std::string concurrency = "32,128,384";
-  int prompts = 1024;  // x G = 8: 8,192 requests per point
-  double stub_latency = 0;   // zero-service-time stubs by default
-  double stub_latency_spread = 0;  // each completion uniform in latency x [1 - s, 1 + s]
-  int stub_nice = 0;               // the stubs' threads' nice value (0: unchanged)
-  std::string stub_threads = "shared";  // shared: one thread serves both stubs; per-replica: one each
-  int proxy_threads = 1;
-  int client_threads = 1;
-  // The HF Python proxy (lora_proxy.py of AmineDiro/hfjobs-lora-buckets), fetched by the user
-  // into a temporary directory and run with Debian's python3-aiohttp: the same load goes through
-  // it in the same run. Never committed here.
-  std::string reference;
-  std::string python = "python3";
-  int rounds = 1;  // ours and the reference alternated this many times per concurrency
-  std::int64_t tracked_blocks = 500000;  // entries of the bytes-per-tracked-block figure, both tables
-};
+namespace bench_proxy {
 
 std::string sh_quote(const std::string& s) {
   std::string q = "'";
@@ -116,11 +99,6 @@ bool port_open(std::uint16_t port) {
   ::close(fd);
   return ok;
 }
-
-struct Child {
-  pid_t pid = -1;
-  std::uint16_t port = 0;
-};
 
 Child spawn_proxy(const std::vector<std::string>& upstreams, int threads) {
   // The front (`lorasync`), whose proxy runs without libtorch, also when this bench runs in the
@@ -201,6 +179,17 @@ Child spawn_reference(const BenchProxyOptions& o, const std::vector<std::string>
   return ch;
 }
 
+void stop_child(const Child& ch) {
+  kill(ch.pid, SIGTERM);
+  int st = 0;
+  waitpid(ch.pid, &st, 0);
+}
+
+}  // namespace bench_proxy
+
+namespace {
+
+using namespace bench_proxy;
 
 struct RunResult {
   // Latency percentiles over the requests after each worker's first (the first opens the client's
@@ -325,13 +314,12 @@ Round measure_round(const Child& ch, const std::vector<bench::TraceRequest>& tra
   r.rss = proc_status_mib(ch.pid, "VmHWM");
   const nlohmann::json stats = get_json(url, "/proxy/stats");
   if (stats.is_object() && stats.contains("router")) r.router = stats["router"];
-  kill(ch.pid, SIGTERM);
-  int st;
-  waitpid(ch.pid, &st, 0);
+  stop_child(ch);
   return r;
 }
 
 int run(const BenchProxyOptions& o) {
+  if (o.stubs == "python") return run_python_stubs(o);
   BenchReporter rep;
   // Memory per tracked block at 500k entries: ours' table (slab and index), and with --reference the
   // reference's, filled to as many blocks through its own router in the same run (no ratio without).
@@ -431,7 +419,13 @@ int run(const BenchProxyOptions& o) {
     };
     std::size_t errors = 0;
     for (const auto& r : ours) errors += r.run.errors;
-    nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stub_latency_s", o.stub_latency},
+    // What the stubs answered per choice (completion_body.h: serve's shape, max_tokens tokens).
+    const std::uint64_t choices = s0.choices() + s1.choices();
+    const double bytes_per_choice =
+        choices ? static_cast<double>(s0.body_bytes() + s1.body_bytes()) / static_cast<double>(choices) : 0.0;
+    nlohmann::json cfg = {{"concurrency", conc}, {"requests", trace.size()}, {"stubs", "cpp"},
+                          {"max_tokens", to.max_tokens}, {"body_bytes_per_choice", std::lround(bytes_per_choice)},
+                          {"stub_latency_s", o.stub_latency},
                           {"stub_latency_spread", o.stub_latency_spread},
                           {"stub_nice", o.stub_nice}, {"stub_threads", o.stub_threads},
                           {"proxy_threads", o.proxy_threads}, {"errors", errors},
@@ -556,6 +550,7 @@ int run(const BenchProxyOptions& o) {
                 std::nullopt, c2});
     }
     rep.emit({"proxy", "stub_prefill_reuse", mean(ours, reuse_of), "fraction", std::nullopt, cfg});
+    rep.emit({"proxy", "stub_body_bytes_per_choice", bytes_per_choice, "B", std::nullopt, cfg});
     stubs.stop();
   }
   rep.print_table();
@@ -589,7 +584,13 @@ void register_bench_proxy(CLI::App& bench, Registry& reg) {
   sub->add_option("--client-threads", o->client_threads)->capture_default_str();
   sub->add_option("--reference", o->reference,
                   "the HF Python proxy's lora_proxy.py (fetched into a temp dir; run with python3-aiohttp) as a same-run baseline");
-  sub->add_option("--python", o->python, "the interpreter for --reference")->capture_default_str();
+  sub->add_option("--python", o->python, "the interpreter for --reference and --stubs python")->capture_default_str();
+  sub->add_option("--stubs", o->stubs,
+                  "cpp: in-process C++ stub replicas and client; python: stub replicas and a load client as Python "
+                  "processes on the same cores (bench/proxy/py_stubs.py, py_client.py), as an independent harness; "
+                  "CPU rows only")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpp", "python"}));
   sub->add_option("--rounds", o->rounds,
                   "rounds per concurrency (direct, ours, the reference, each from cold caches; the order reversed "
                   "every other round); figures are medians, unmatched shares means, with the per-round values in "

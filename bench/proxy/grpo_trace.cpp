@@ -16,7 +16,8 @@ std::vector<TraceRequest> make_grpo_trace(const TraceOptions& o) {
     std::string ids = tmpl;
     for (int i = 0; i < len; ++i) ids += std::to_string(1000 + rng() % 150000) + (i + 1 < len ? "," : "");
     std::string body = "{\"model\":\"" + adapter + "\",\"prompt\":[" + ids + "],\"max_tokens\":" +
-                       std::to_string(o.max_tokens) + ",\"temperature\":1.0,\"n\":1" +
+                       std::to_string(o.max_tokens) + ",\"temperature\":1.0,\"top_p\":1.0,\"n\":1" +
+                       (o.logprobs ? ",\"logprobs\":0" : "") + (o.return_token_ids ? ",\"return_token_ids\":true" : "") +
                        (o.stream ? ",\"stream\":true" : "") + "}";
     for (int g = 0; g < o.group; ++g) out.push_back({body, p, adapter});
   }

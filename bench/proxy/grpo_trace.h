@@ -1,6 +1,6 @@
 // bench/proxy/grpo_trace.h: a GRPO-shaped request trace for `bench proxy` and proxy tests.
 // P prompts, each a shared template (template_tokens) followed by a problem of 80-400 token ids,
-// sent as G consecutive requests with n = 1 under the current adapter; the adapter advances every
+// sent as G consecutive requests with n = 1 under the current adapter (the fields the trainer sends); the adapter advances every
 // `prompts_per_version` prompts (a weight sync). Deterministic for a seed.
 // Thread-safety: pure function.
 #pragma once
@@ -17,7 +17,11 @@ struct TraceOptions {
   int template_tokens = 32;
   int problem_min = 80, problem_max = 400;
   int prompts_per_version = 16;  // adapter advances (policy-v1, policy-v2, ...)
-  int max_tokens = 16;
+  // What the trainer asks for (src/rl/pipeline.cpp): per-token logprobs and token ids, so that a
+  // replica's answer carries max_tokens ids and logprobs per choice (completion_body.h).
+  int max_tokens = 256;
+  bool logprobs = true;           // "logprobs": 0
+  bool return_token_ids = true;
   bool stream = false;
   std::uint64_t seed = 1;
 };

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "bench/proxy/completion_body.h"
 #include "core/io/adapter_manifest.h"
 #include "proxy/prompt_scan.h"
 #include "util/error.h"
@@ -213,9 +214,22 @@ http::Task<void> StubReplica::handle(http::Request& req, http::ResponseWriter& w
                             {"cached_prompt_tokens", cached}};
     if (!stream) {
       co_await nap(service);
-      nlohmann::json j = {{"id", "cmpl-stub"}, {"object", "text_completion"}, {"model", scan.model},
-                          {"choices", {{{"index", 0}, {"text", "x"}, {"finish_reason", "length"}}}}, {"usage", usage}};
-      auto r = json(200, j);
+      // The body `lorasync serve` answers to this request (completion_body.h): n choices of
+      // max_tokens tokens, with logprobs and token ids when asked, as the trainer asks.
+      CompletionAsk ask = read_completion_ask(req.body);
+      ask.model = scan.model;
+      CompletionMeta meta;
+      meta.id = "cmpl-stub" + std::to_string(opts_.index) + "-" + std::to_string(completions_.load());
+      meta.created = 1767225600;
+      if (scan.model != "m" && scan.model != "base") meta.adapter = scan.model;
+      meta.adapter_sha256 = std::string(64, 'a');
+      meta.base_model_sha256 = std::string(64, 'b');
+      meta.prompt_tokens = prompt;
+      meta.cached_prompt_tokens = cached;
+      http::Response r = http::json_response(200, completion_body(ask, meta, opts_.seed ^ completions_.load()));
+      r.headers.add("X-Stub-Index", std::to_string(opts_.index));
+      body_bytes_ += r.body.size();
+      choices_ += static_cast<std::uint64_t>(std::max(1, ask.n));
       r.headers.add("X-Stub-Service-Us", std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count()));
       completions_answered_ += 1;
       co_await w.send(std::move(r));

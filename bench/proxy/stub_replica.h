@@ -1,6 +1,7 @@
 // bench/proxy/stub_replica.h: a fake inference replica for proxy tests and `bench proxy`.
 //
-// Speaks the subset of http-api.md the proxy uses: completions (JSON or SSE), adapter load and
+// Speaks the subset of http-api.md the proxy uses: completions (JSON shaped as `lorasync serve`
+// answers them, completion_body.h, or SSE), adapter load and
 // unload (optionally answering "No adapter found" for the first K load tries, or a fixed failure
 // status), /v1/models, /health (status settable), /pause, /resume, /reset_prefix_cache,
 // /server_info. It simulates a prefix cache over the same chained block hashes as the proxy
@@ -95,6 +96,9 @@ class StubReplica {
   std::uint64_t prompt_tokens() const { return prompt_tokens_.load(); }
   std::uint64_t cached_tokens() const { return cached_tokens_.load(); }
   std::uint64_t completions() const { return completions_.load(); }
+  // Non-streamed completion bodies answered: their bytes and their choices (completion_body.h).
+  std::uint64_t body_bytes() const { return body_bytes_.load(); }
+  std::uint64_t choices() const { return choices_.load(); }
   int open_completions() const { return open_completions_.load(); }
   std::uint64_t client_gone_seen() const { return client_gone_.load(); }
   // StubOptions::nice: 0 not tried yet (or nice 0), 1 set, -1 refused (no CAP_SYS_NICE for a value below 0).
@@ -113,6 +117,7 @@ class StubReplica {
   int load_tries_ = 0;
   std::atomic<bool> paused_{false};
   std::atomic<std::uint64_t> prompt_tokens_{0}, cached_tokens_{0}, completions_{0}, client_gone_{0};
+  std::atomic<std::uint64_t> body_bytes_{0}, choices_{0};
   std::atomic<std::uint64_t> completions_answered_{0};  // StubCall::completions_answered
   std::atomic<int> open_completions_{0};
   std::atomic<std::uint64_t> draws_{0};  // service-time draws so far (latency_spread)

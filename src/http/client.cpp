@@ -379,6 +379,11 @@ class ResponseStream::Impl {
   CallOptions opts;
   Clock::time_point deadline;
   CancelSignal::Id cancel_id = 0;
+  // A body of known length (Content-Length, not chunked) is read straight from the socket into the
+  // connection's piece buffer, bypassing the parser: `direct` is decided at the first read().
+  enum class Direct { kUndecided, kNo, kYes } direct = Direct::kUndecided;
+  std::uint64_t direct_left = 0;  // its bytes not read yet
+  bool direct_keep = false;       // the connection may be reused after it (the head's keep-alive)
 
   ~Impl() {
     finish(false);
@@ -416,7 +421,10 @@ std::optional<std::uint64_t> ResponseStream::content_length() const {
 }
 bool ResponseStream::chunked() const { return impl_->parser->chunked(); }
 bool ResponseStream::done() const { return impl_->finished; }
-bool ResponseStream::body_complete() const { return impl_->finished || (impl_->parser && impl_->parser->is_done()); }
+bool ResponseStream::body_complete() const {
+  if (impl_->direct == Impl::Direct::kYes) return impl_->direct_left == 0;
+  return impl_->finished || (impl_->parser && impl_->parser->is_done());
+}
 bool ResponseStream::reused_connection() const { return impl_->reused; }
 
 Task<CallError> ResponseStream::read(std::string_view& piece) {
@@ -425,6 +433,18 @@ Task<CallError> ResponseStream::read(std::string_view& piece) {
   if (I.finished) co_return CallError::kNone;
   if (!I.conn) co_return CallError::kBodyError;
   if (!I.conn->piece) I.conn->piece = std::make_unique_for_overwrite<char[]>(kPiece);
+  if (I.direct == Impl::Direct::kUndecided) {
+    // Right after the head: the parser has consumed none of the body yet (it stops at the head's
+    // end; what the head's read brought of the body is still in conn->buf).
+    I.direct = Impl::Direct::kNo;
+    const auto cl = I.parser->content_length();
+    if (I.parser->is_header_done() && !I.parser->is_done() && !I.parser->chunked() && cl && *cl > 0) {
+      I.direct = Impl::Direct::kYes;
+      I.direct_left = *cl;
+      I.direct_keep = I.parser->get().keep_alive();
+    }
+  }
+  if (I.direct == Impl::Direct::kYes) co_return co_await read_direct(piece);
   for (;;) {
     if (I.parser->is_done()) {
       I.finished = true;
@@ -458,6 +478,50 @@ Task<CallError> ResponseStream::read(std::string_view& piece) {
       co_return CallError::kNone;
     }
   }
+}
+
+// A body of known length, straight from the socket: the bytes the head's read brought along, then
+// one read of the rest (up to the piece buffer), so that an answer of a few KiB is one piece: one
+// receive and one write to the client, not one of each per 512 bytes (Beast's read_some reads at
+// most what its buffer holds, 512 bytes after a short head) with a copy through the parser's buffer.
+Task<CallError> ResponseStream::read_direct(std::string_view& piece) {
+  auto& I = *impl_;
+  if (I.direct_left == 0) {
+    // The whole body was returned: the connection goes back now, not with the last piece, which
+    // lives in its buffer until this call.
+    I.finished = true;
+    I.finish(I.direct_keep);
+    co_return CallError::kNone;
+  }
+  Conn& c = *I.conn;
+  char* const buf = c.piece.get();
+  std::size_t n = 0;
+  if (c.buf.size() > 0) {
+    n = static_cast<std::size_t>(std::min<std::uint64_t>({c.buf.size(), I.direct_left, kPiece}));
+    net::buffer_copy(net::buffer(buf, n), c.buf.data());
+    c.buf.consume(n);
+    I.direct_left -= n;
+  }
+  if (I.direct_left > 0 && n < kPiece) {
+    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(I.direct_left, kPiece - n));
+    beast::error_code ec;
+    c.lowest().expires_at(std::min(Clock::now() + secs(I.opts.idle_timeout_s), I.deadline));
+    const std::size_t got = co_await on_stream(c, [&](auto& s) {
+      return s.async_read_some(net::buffer(buf + n, want), net::redirect_error(net::use_awaitable, ec));
+    });
+    if (ec) {
+      CallError e = (I.opts.cancel && I.opts.cancel->fired()) ? CallError::kCancelled
+                    : ec == beast::error::timeout            ? I.timeout_kind(CallError::kIdleTimeout)
+                                                             : CallError::kBodyError;
+      c.close();
+      I.finish(false);
+      co_return e;
+    }
+    n += got;
+    I.direct_left -= got;
+  }
+  piece = std::string_view(buf, n);
+  co_return CallError::kNone;
 }
 
 Task<CallError> ResponseStream::read_all(std::string& out, std::size_t limit) {

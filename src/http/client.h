@@ -101,6 +101,7 @@ class ResponseStream {
   bool reused_connection() const;
 
  private:
+  Task<CallError> read_direct(std::string_view& piece);
   std::unique_ptr<Impl> impl_;
 };
 
