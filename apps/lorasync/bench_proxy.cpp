@@ -139,10 +139,7 @@ Child spawn_proxy(const std::vector<std::string>& upstreams, int threads) {
     _exit(127);
   }
   close(fds[1]);
-  std::string line;
-  char c;
-  while (read(fds[0], &c, 1) == 1 && c != '\n') line += c;
-  close(fds[0]);
+  const std::string line = read_child_line(fds[0]);
   auto colon = line.rfind(':');
   if (colon == std::string::npos) throw_env("proxy child did not start: '{}'", line);
   Child ch;
@@ -183,6 +180,14 @@ void stop_child(const Child& ch) {
   kill(ch.pid, SIGTERM);
   int st = 0;
   waitpid(ch.pid, &st, 0);
+}
+
+std::string read_child_line(int fd) {
+  std::string line;
+  char c;
+  while (read(fd, &c, 1) == 1 && c != '\n') line += c;
+  close(fd);
+  return line;
 }
 
 }  // namespace bench_proxy

@@ -22,8 +22,8 @@ struct BenchProxyOptions {
   int proxy_threads = 1;
   int client_threads = 1;
   // The HF Python proxy (lora_proxy.py of AmineDiro/hfjobs-lora-buckets), fetched by the user
-  // into a temporary directory and run with Debian's python3-aiohttp: the same load goes through
-  // it in the same run. Never committed here.
+  // into a temporary directory and run by `python` (it needs aiohttp: the .venv's has it): the
+  // same load goes through it in the same run. Never committed here.
   std::string reference;
   std::string python = "python3";
   int rounds = 1;  // ours and the reference alternated this many times per concurrency
@@ -52,6 +52,9 @@ Child spawn_reference(const BenchProxyOptions& o, const std::vector<std::string>
 nlohmann::json reference_block_bytes(const BenchProxyOptions& o, std::int64_t entries);
 // SIGTERM, then wait for it.
 void stop_child(const Child& ch);
+// The first line a child wrote to the pipe `fd` (read a byte at a time, so nothing after it is
+// taken), without its newline; closes `fd`.
+std::string read_child_line(int fd);
 
 // --stubs python: the whole bench in that configuration (its rows into the report, printed).
 int run_python_stubs(const BenchProxyOptions& o);

@@ -52,10 +52,7 @@ PyStubs spawn_py_stubs(const BenchProxyOptions& o, const std::string& table) {
     _exit(127);
   }
   close(fds[1]);
-  std::string line;
-  char c;
-  while (read(fds[0], &c, 1) == 1 && c != '\n') line += c;
-  close(fds[0]);
+  const std::string line = read_child_line(fds[0]);
   if (!line.starts_with("ports ")) throw_env("bench proxy: the Python stubs ({} {}) did not start: '{}'", o.python, script, line);
   PyStubs s;
   s.pid = pid;
