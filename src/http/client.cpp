@@ -408,6 +408,20 @@ class ResponseStream::Impl {
   CallError timeout_kind(CallError phase) const {
     return Clock::now() + std::chrono::milliseconds(1) >= deadline ? CallError::kTotalTimeout : phase;
   }
+
+  // The next body read may wait until the idle timeout or the call's deadline, whichever is first.
+  void arm_body_read() { conn->lowest().expires_at(std::min(Clock::now() + secs(opts.idle_timeout_s), deadline)); }
+
+  // A body read that failed: the call's error (cancelled, a timeout, or a broken body); the
+  // connection is closed and not reused.
+  CallError fail_body_read(const beast::error_code& ec) {
+    const CallError e = (opts.cancel && opts.cancel->fired()) ? CallError::kCancelled
+                        : ec == beast::error::timeout        ? timeout_kind(CallError::kIdleTimeout)
+                                                             : CallError::kBodyError;
+    conn->close();
+    finish(false);
+    return e;
+  }
 };
 
 ResponseStream::ResponseStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -458,20 +472,13 @@ Task<CallError> ResponseStream::read(std::string_view& piece) {
     body.data = buf;
     body.size = kPiece;
     beast::error_code ec;
-    I.conn->lowest().expires_at(std::min(Clock::now() + secs(I.opts.idle_timeout_s), I.deadline));
+    I.arm_body_read();
     Conn& c = *I.conn;
     co_await on_stream(c, [&](auto& s) {
       return bhttp::async_read_some(s, c.buf, *I.parser, net::redirect_error(net::use_awaitable, ec));
     });
     if (ec == bhttp::error::need_buffer) ec = {};
-    if (ec) {
-      CallError e = (I.opts.cancel && I.opts.cancel->fired()) ? CallError::kCancelled
-                    : ec == beast::error::timeout            ? I.timeout_kind(CallError::kIdleTimeout)
-                                                             : CallError::kBodyError;
-      I.conn->close();
-      I.finish(false);
-      co_return e;
-    }
+    if (ec) co_return I.fail_body_read(ec);
     std::size_t n = kPiece - body.size;
     if (n > 0) {
       piece = std::string_view(buf, n);
@@ -505,18 +512,11 @@ Task<CallError> ResponseStream::read_direct(std::string_view& piece) {
   if (I.direct_left > 0 && n < kPiece) {
     const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(I.direct_left, kPiece - n));
     beast::error_code ec;
-    c.lowest().expires_at(std::min(Clock::now() + secs(I.opts.idle_timeout_s), I.deadline));
+    I.arm_body_read();
     const std::size_t got = co_await on_stream(c, [&](auto& s) {
       return s.async_read_some(net::buffer(buf + n, want), net::redirect_error(net::use_awaitable, ec));
     });
-    if (ec) {
-      CallError e = (I.opts.cancel && I.opts.cancel->fired()) ? CallError::kCancelled
-                    : ec == beast::error::timeout            ? I.timeout_kind(CallError::kIdleTimeout)
-                                                             : CallError::kBodyError;
-      c.close();
-      I.finish(false);
-      co_return e;
-    }
+    if (ec) co_return I.fail_body_read(ec);
     n += got;
     I.direct_left -= got;
   }
