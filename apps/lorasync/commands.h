@@ -51,6 +51,7 @@ void register_bench_proxy(CLI::App& bench, Registry& reg);
 void register_bench_startup(CLI::App& bench, Registry& reg);
 void register_bench_sync(CLI::App& bench, Registry& reg);
 void register_bench_e2e(CLI::App& bench, Registry& reg);
+void register_bench_episodes(CLI::App& bench, Registry& reg);
 void register_bench_reward(CLI::App& bench, Registry& reg);
 
 }  // namespace lorasync::cli

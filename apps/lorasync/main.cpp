@@ -66,6 +66,7 @@ int main(int argc, char** argv) {
 #ifndef LORASYNC_FRONT
   cli::register_bench_sync(*bench, reg);
   cli::register_bench_e2e(*bench, reg);
+  cli::register_bench_episodes(*bench, reg);
   cli::register_bench_reward(*bench, reg);
 #endif
 

@@ -111,11 +111,32 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const CheckpointData&
             torch::from_blob(const_cast<std::int32_t*>(m.ids.data()), {static_cast<std::int64_t>(m.ids.size())}, torch::kInt32));
       q.add(fmt::format("g{}.m{}.lp", gi, mi),
             torch::from_blob(const_cast<float*>(m.logprobs.data()), {static_cast<std::int64_t>(m.logprobs.size())}, torch::kFloat32));
-      members.push_back({{"finish", m.finish}, {"reward", m.valid() ? json(m.reward) : json(nullptr)}, {"parts", m.parts},
-                         {"advantage", m.advantage}});
+      json jm = {{"finish", m.finish}, {"reward", m.valid() ? json(m.reward) : json(nullptr)}, {"parts", m.parts},
+                 {"advantage", m.advantage}};
+      // An episode's member: its own prompt, the mask and the per-token versions (run-length).
+      if (!m.prompt_ids.empty()) {
+        std::vector<std::int32_t> p32(m.prompt_ids.begin(), m.prompt_ids.end());
+        q.add(fmt::format("g{}.m{}.prompt", gi, mi), torch::tensor(p32, torch::kInt32));
+      }
+      if (!m.mask.empty()) {
+        std::vector<std::int32_t> m32(m.mask.begin(), m.mask.end());
+        q.add(fmt::format("g{}.m{}.mask", gi, mi), torch::tensor(m32, torch::kInt32));
+      }
+      if (!m.versions.empty()) {
+        json runs = json::array();
+        for (std::size_t t = 0; t < m.versions.size();) {
+          std::size_t e = t;
+          while (e < m.versions.size() && m.versions[e] == m.versions[t]) ++e;
+          runs.push_back({m.versions[t], e - t});
+          t = e;
+        }
+        jm["versions"] = runs;
+      }
+      if (m.turns) jm["turns"] = m.turns;
+      members.push_back(std::move(jm));
     }
     groups.push_back({{"prompt", {g.prompt.index, g.prompt.epoch, g.prompt.attempt}}, {"version", g.version},
-                      {"sync_index", g.sync_index}, {"seq", g.seq}, {"scored", g.scored}, {"request_s", g.request_s},
+                      {"sync_index", g.sync_index}, {"seq", g.seq}, {"scored", g.scored}, {"prescored", g.prescored}, {"request_s", g.request_s},
                       {"members", members}});
   }
   io::write_safetensors(staging / "queue.safetensors", q.items, {{"format", "pt"}}, false);
@@ -226,6 +247,7 @@ CheckpointData read_checkpoint(const fs::path& dir, bool verified) {
       g.sync_index = jg.at("sync_index").get<std::int64_t>();
       g.seq = jg.at("seq").get<std::uint64_t>();
       g.scored = jg.at("scored").get<bool>();
+      g.prescored = jg.value("prescored", false);
       g.request_s = jg.value("request_s", 0.0);
       std::size_t mi = 0;
       for (const auto& jm : jg.at("members")) {
@@ -238,6 +260,21 @@ CheckpointData read_checkpoint(const fs::path& dir, bool verified) {
         m.reward = jm.at("reward").is_null() ? std::nan("") : jm.at("reward").get<double>();
         m.parts = jm.at("parts").get<std::vector<double>>();
         m.advantage = jm.at("advantage").get<double>();
+        if (f.find(fmt::format("g{}.m{}.prompt", gi, mi))) {
+          at::Tensor t = load_tensor(f, fmt::format("g{}.m{}.prompt", gi, mi));
+          m.prompt_ids.assign(t.data_ptr<std::int32_t>(), t.data_ptr<std::int32_t>() + t.numel());
+        }
+        if (f.find(fmt::format("g{}.m{}.mask", gi, mi))) {
+          at::Tensor t = load_tensor(f, fmt::format("g{}.m{}.mask", gi, mi));
+          m.mask.assign(t.data_ptr<std::int32_t>(), t.data_ptr<std::int32_t>() + t.numel());
+          LS_CHECK(m.mask.size() == m.ids.size(), "checkpoint: a member's mask differs in length from its ids");
+        }
+        if (jm.contains("versions")) {
+          for (const auto& run : jm.at("versions"))
+            m.versions.insert(m.versions.end(), run.at(1).get<std::size_t>(), run.at(0).get<std::int64_t>());
+          LS_CHECK(m.versions.size() == m.ids.size(), "checkpoint: a member's versions differ in length from its ids");
+        }
+        m.turns = jm.value("turns", std::int64_t{0});
         g.members.push_back(std::move(m));
         ++mi;
       }

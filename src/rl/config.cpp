@@ -72,6 +72,13 @@ std::vector<Binding> bindings(TrainConfig& c) {
       {"logging", "metrics_file", &c.logging.metrics_file}, {"logging", "group_log", &c.logging.group_log},
       {"logging", "metrics_port", &c.logging.metrics_port}, {"logging", "metrics_bind", &c.logging.metrics_bind},
       {"logging", "log_every", &c.logging.log_every}, {"logging", "peak_tflops", &c.logging.peak_tflops},
+      {"env", "command", &c.env.command}, {"env", "workdir", &c.env.workdir}, {"env", "environment", &c.env.environment},
+      {"env", "workers", &c.env.workers}, {"env", "timeout_s", &c.env.timeout_s}, {"env", "startup_s", &c.env.startup_s},
+      {"env", "cpu_s", &c.env.cpu_s}, {"env", "memory_mb", &c.env.memory_mb}, {"env", "network", &c.env.network},
+      {"env", "max_turns", &c.env.max_turns}, {"env", "max_episode_tokens", &c.env.max_episode_tokens},
+      {"env", "max_observation_tokens", &c.env.max_observation_tokens},
+      {"env", "max_output_bytes", &c.env.max_output_bytes}, {"env", "episode_deadline_s", &c.env.episode_deadline_s},
+      {"env", "rows", &c.env.rows},
   };
 }
 
@@ -311,7 +318,10 @@ void TrainConfig::validate() const {
   if (batching.mode != "count")
     throw_invalid("batching.mode = \"{}\" is not supported yet; use \"count\"", batching.mode);
   if (model.path.empty()) throw_invalid("model.path is required (a local Hugging Face directory)");
-  if (data.train_file.empty()) throw_invalid("data.train_file is required (JSONL with problem and answer fields)");
+  if (data.train_file.empty() && (env.command.empty() || env.rows <= 0))
+    throw_invalid("data.train_file is required (JSONL with problem and answer fields), or env.rows with an [env] command "
+                  "that makes its own tasks");
+  if (env.rows < 0) throw_invalid("env.rows must be >= 0, got {}", env.rows);
   if (max_steps <= 0) throw_invalid("max_steps must be positive, got {}", max_steps);
   if (batching.samples_per_step <= 0) throw_invalid("batching.samples_per_step must be positive");
   if (async.max_inflight < grpo.num_generations)
@@ -324,6 +334,22 @@ void TrainConfig::validate() const {
     throw_invalid("optimizer.scheduler must be \"constant\" or \"cosine\", got \"{}\"", optimizer.scheduler);
   if (generation.temperature <= 0)
     throw_invalid("generation.temperature must be > 0 (got {}): GRPO samples from the policy", generation.temperature);
+  if (!env.command.empty()) {
+    if (env.command[0].empty()) throw_invalid("env.command must name a program (a list: [\"python3\", \"env.py\"])");
+    if (env.workers < 1) throw_invalid("env.workers must be at least 1, got {}", env.workers);
+    if (!(env.timeout_s > 0)) throw_invalid("env.timeout_s must be positive, got {}", env.timeout_s);
+    if (!(env.startup_s >= 0)) throw_invalid("env.startup_s must be >= 0, got {}", env.startup_s);
+    if (!(env.cpu_s > 0)) throw_invalid("env.cpu_s must be positive, got {}", env.cpu_s);
+    if (env.memory_mb < 16) throw_invalid("env.memory_mb must be at least 16, got {}", env.memory_mb);
+    if (env.max_turns < 1) throw_invalid("env.max_turns must be at least 1, got {}", env.max_turns);
+    if (env.max_episode_tokens < 0) throw_invalid("env.max_episode_tokens must be >= 0 (0 = generation.context_len), got {}", env.max_episode_tokens);
+    if (env.max_observation_tokens < 1) throw_invalid("env.max_observation_tokens must be at least 1, got {}", env.max_observation_tokens);
+    if (env.max_output_bytes < 64) throw_invalid("env.max_output_bytes must be at least 64, got {}", env.max_output_bytes);
+    if (!(env.episode_deadline_s > 0)) throw_invalid("env.episode_deadline_s must be positive, got {}", env.episode_deadline_s);
+    for (const auto& e : env.environment)
+      if (e.find('=') == std::string::npos || e.front() == '=')
+        throw_invalid("env.environment entries must read \"NAME=value\", got \"{}\"", e);
+  }
 }
 
 std::string TrainConfig::to_toml() const {

@@ -98,6 +98,25 @@ struct TrainConfig {
     double peak_tflops = 989.5;
   } logging;
 
+  // Multi-turn environments (rl/environment.h, docs/environments.md): with a command, every
+  // rollout is an episode against a worker of that program; without one, single-turn completions
+  // scored by grpo.reward_funcs.
+  struct Env {
+    std::vector<std::string> command;  // argv; empty = no environment
+    std::string workdir;
+    std::vector<std::string> environment;  // extra variables for the workers, "NAME=value"
+    std::int64_t workers = 8;          // episodes talking to their environment at once
+    double timeout_s = 30, startup_s = 60, cpu_s = 3600;
+    std::int64_t memory_mb = 4096;
+    bool network = false;
+    std::int64_t max_turns = 4;              // model turns per episode
+    std::int64_t max_episode_tokens = 0;     // tokens after the first prompt (0 = generation.context_len)
+    std::int64_t max_observation_tokens = 2048;  // one environment turn's tokens
+    std::int64_t max_output_bytes = 4 << 20;     // one answer line
+    double episode_deadline_s = 1800;        // wall time of one episode, model turns included
+    std::int64_t rows = 0;  // without data.train_file: rows 0..rows-1 (an environment that makes its own tasks)
+  } env;
+
   // External rewards, [rewards.NAME] tables (rl/external_reward.h), named in grpo.reward_funcs like
   // the built-in ones: kind, command, workdir, url, bearer_token_env, workers, timeout_s, startup_s, cpu_s,
   // memory_mb, network, max_output_bytes. `--set rewards.NAME.key=value` works as elsewhere.

@@ -117,6 +117,15 @@ std::string render_prompt(const std::string& problem, const DatasetOptions& opt)
   throw_invalid("{} = {:?} is not one of chatml, raw", opt.prompt_format_setting, opt.prompt_format);
 }
 
+Dataset index_dataset(std::int64_t n) {
+  Dataset d;
+  d.file = "env.rows";
+  d.n_rows = n;
+  d.problems.reserve(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) d.problems.push_back({i, "", {}, {}});
+  return d;
+}
+
 Dataset load_dataset(const std::filesystem::path& jsonl, const tok::Tokenizer& tokenizer,
                      const DatasetOptions& opt) {
   if (opt.prompt_format != "chatml" && opt.prompt_format != "raw") render_prompt("", opt);  // throws

@@ -63,6 +63,10 @@ const Problem* find_problem(const Dataset& data, std::int64_t index);
 // The prompt text of one problem. InvalidInput naming prompt_format_setting for an unknown format.
 std::string render_prompt(const std::string& problem, const DatasetOptions& opt);
 
+// Rows 0..n-1 holding only their index (no problem, no prompt): the task source of an environment
+// that makes its own tasks (env.rows, docs/environments.md).
+Dataset index_dataset(std::int64_t n);
+
 // Reads, validates, renders and tokenizes the whole file. NotFound / Environment for the file,
 // InvalidInput for a bad row (file, line, field), for an unknown prompt format or a
 // max_prompt_tokens below 1, for a file without a valid row, and when every prompt is too long.

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "reward/reward_fn.h"
+#include "rl/sandbox_worker.h"
 
 namespace lorasync::rl {
 
@@ -55,9 +56,7 @@ struct ExternalRewardOptions {
 // a URL that does not parse, non-positive workers or timeout).
 std::shared_ptr<const reward::RewardFunction> make_external_reward(const ExternalRewardOptions& options);
 
-// Whether this process may give a child its own network namespace (unshare(CLONE_NEWNET),
-// directly or inside a new user namespace). Probed once by forking a child.
-bool network_isolation_available();
+// network_isolation_available() is in rl/sandbox_worker.h (the workers' sandbox).
 
 // The JSON line sent for one completion (without the trailing newline).
 std::string reward_request_json(const reward::RewardInput& input);

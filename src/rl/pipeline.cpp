@@ -25,6 +25,9 @@
 #include "http/client.h"
 #include "reward/reward_fn.h"
 #include "rl/advantages.h"
+#include "rl/completion_response.h"
+#include "rl/episode.h"
+#include "rl/rollout_source.h"
 #include "rl/scoring.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -88,6 +91,7 @@ struct Pipeline::Impl {
   asio::steady_timer dispatch_timer{ctx};
   bool dispatch_wake = false;  // a wake-up is posted and the dispatcher has not looked since
   std::unique_ptr<http::Pool> pool;
+  std::unique_ptr<RolloutSource> source;  // single turn, or episodes against an environment
   std::thread rollout_thread;
   std::vector<std::thread> workers;
 
@@ -100,6 +104,9 @@ struct Pipeline::Impl {
                           "rollout/reward_crashed_total", "rollout/reward_invalid_total", "rollout/reward_error_total",
                           "sample/dropped_stale_total"})
       counters[k] = 0;
+    source = opt.cfg.env.command.empty() ? make_single_turn_source(opt.cfg)
+                                         : make_episode_source(opt.cfg, tokenizer, opt.vocab, opt.stop_ids);
+    for (const auto& k : source->counter_names()) counters[k] = 0;
   }
 
   std::int64_t G() const { return opt.cfg.grpo.num_generations; }
@@ -201,19 +208,13 @@ struct Pipeline::Impl {
     return *p;
   }
 
-  std::int64_t max_tokens_for(const PromptRef& p) const {
-    const auto& g = opt.cfg.generation;
-    return std::min<std::int64_t>(g.max_new_tokens, g.context_len - static_cast<std::int64_t>(problem(p.index).prompt_ids.size()));
-  }
-
-  std::string request_body(const PromptRef& p, const std::string& model_name) const {
-    const Problem& pr = problem(p.index);
+  std::string request_body(const PromptRef& p, const TurnRequest& t, const std::string& model_name) const {
     const auto& g = opt.cfg.generation;
     json j;
     j["model"] = model_name;
-    j["prompt"] = pr.prompt_ids;
-    j["n"] = G();
-    j["max_tokens"] = max_tokens_for(p);
+    j["prompt"] = t.prompt;
+    j["n"] = t.n;
+    j["max_tokens"] = t.max_tokens;
     j["temperature"] = g.temperature;
     j["top_p"] = 1.0;
     j["logprobs"] = 0;
@@ -224,94 +225,45 @@ struct Pipeline::Impl {
       h = splitmix64(h ^ static_cast<std::uint64_t>(p.epoch));
       h = splitmix64(h ^ static_cast<std::uint64_t>(p.index));
       h = splitmix64(h ^ static_cast<std::uint64_t>(p.attempt));
+      if (t.seed_salt != 0) h = splitmix64(h ^ t.seed_salt);
       j["seed"] = static_cast<std::int64_t>(h & 0x7fffffffu);
     }
     return j.dump();
   }
 
-  // Validates a 200 response (trainer.md §1.2-1.3); fills the group or returns the reason.
-  // max_tokens: what the request asked for; a longer completion is refused (it was not sampled
-  // under the request's parameters, and would overrun the row budget).
-  std::optional<std::string> parse_response(const std::string& body, Group& g, std::int64_t max_tokens) const {
-    json j = json::parse(body, nullptr, false);
-    if (j.is_discarded() || !j.is_object()) return "body is not a JSON object";
-    std::string name;
-    std::optional<std::string> sha;
-    if (j.contains("lorasync") && j["lorasync"].is_object()) {
-      const auto& p = j["lorasync"];
-      if (!p.contains("adapter") || !p["adapter"].is_string()) return "provenance names no adapter";
-      name = p["adapter"].get<std::string>();
-      if (p.contains("adapter_sha256") && p["adapter_sha256"].is_string()) sha = p["adapter_sha256"].get<std::string>();
-    } else if (j.contains("model") && j["model"].is_string()) {
-      name = j["model"].get<std::string>();  // stock vLLM echoes the adapter name
-    } else {
-      return "no provenance";
-    }
-    auto v = parse_version_name(name, opt.prefix);
-    if (!v) return "provenance names '" + name + "', not a version of this run";
-    {
+  std::optional<std::string> parse_response(const std::string& body, TurnAnswer& g, std::int64_t n, std::int64_t max_tokens) const {
+    return parse_completion_response(body, n, max_tokens, opt.vocab, opt.prefix, [this](std::int64_t v) -> std::optional<VersionInfo> {
       std::lock_guard lk(mu);
-      auto it = versions.find(*v);
-      if (it == versions.end()) return "provenance names unknown version '" + name + "'";
-      if (sha && !it->second.sha256.empty() && *sha != it->second.sha256) return "adapter_sha256 of '" + name + "' differs from its manifest";
-      g.version = *v;
-      g.sync_index = it->second.sync_index;
-    }
-    if (!j.contains("choices") || !j["choices"].is_array()) return "no choices";
-    const auto& ch = j["choices"];
-    if (static_cast<std::int64_t>(ch.size()) != G()) return "expected " + std::to_string(G()) + " choices, got " + std::to_string(ch.size());
-    g.members.assign(ch.size(), Member{});
-    for (const auto& c : ch) {
-      if (!c.is_object() || !c.contains("index") || !c["index"].is_number_integer()) return "choice without index";
-      const auto idx = c["index"].get<std::int64_t>();
-      if (idx < 0 || idx >= G()) return "choice index out of range";
-      Member& m = g.members[static_cast<std::size_t>(idx)];
-      if (!m.ids.empty()) return "duplicate choice index";
-      if (!c.contains("token_ids") || !c["token_ids"].is_array()) return "choice without token_ids";
-      for (const auto& t : c["token_ids"]) {
-        if (!t.is_number_integer()) return "non-integer token id";
-        const auto id = t.get<std::int64_t>();
-        if (id < 0 || id >= opt.vocab) return "token id " + std::to_string(id) + " outside the vocabulary";
-        m.ids.push_back(static_cast<std::int32_t>(id));
-      }
-      if (static_cast<std::int64_t>(m.ids.size()) > max_tokens)
-        return "choice " + std::to_string(idx) + " has " + std::to_string(m.ids.size()) + " tokens, more than max_tokens " +
-               std::to_string(max_tokens);
-      const json* lp = nullptr;
-      if (c.contains("logprobs") && c["logprobs"].is_object() && c["logprobs"].contains("token_logprobs"))
-        lp = &c["logprobs"]["token_logprobs"];
-      if (!lp || !lp->is_array()) return "choice without logprobs";
-      for (const auto& x : *lp) {
-        if (!x.is_number()) return "non-numeric logprob";
-        const double d = x.get<double>();
-        if (!std::isfinite(d) || d > 0) return "logprob " + std::to_string(d) + " is not finite or > 0";
-        m.logprobs.push_back(static_cast<float>(d));
-      }
-      if (m.ids.empty() || m.ids.size() != m.logprobs.size()) return "token_ids and logprobs differ in length or are empty";
-      m.finish = c.contains("finish_reason") && c["finish_reason"].is_string() ? c["finish_reason"].get<std::string>() : "";
-    }
-    return std::nullopt;
+      auto it = versions.find(v);
+      if (it == versions.end()) return std::nullopt;
+      return it->second;
+    }, g);
   }
 
-  asio::awaitable<void> run_group(std::uint64_t id, InFlight f) {
+  // One completion call of a rollout, with the retries of trainer.md §1.5: kOk with the answer,
+  // kCancelled (a switch made it stale), kFailed (every retry failed), kStopped (stop or a fatal
+  // error). Each call names the then-current version; only the rollout's first call sets the
+  // version the in-flight entry is judged by.
+  asio::awaitable<TurnAnswer> complete(std::uint64_t id, const InFlight& f, TurnRequest t) {
     const auto& a = opt.cfg.async;
     std::int64_t retries = 0;
     asio::steady_timer timer(ctx);
-    std::mt19937_64 jitter(splitmix64(id));
+    std::mt19937_64 jitter(splitmix64(id ^ t.seed_salt));
     http::Headers headers;
     headers.add("Content-Type", "application/json");
     if (!opt.api_key.empty()) headers.add("Authorization", "Bearer " + opt.api_key);
+    TurnAnswer out;
     for (;;) {
       std::string model_name, body;
       {
         std::lock_guard lk(mu);
         if (stopping || fatal) break;  // no retry once the run ends
         auto it = inflight.find(id);
-        it->second.version = current;  // a retry names the then-current version
+        if (t.first) it->second.version = current;  // a retry names the then-current version
         it->second.backoff = false;
         model_name = versions.at(current).name;
       }
-      body = request_body(f.prompt, model_name);
+      body = request_body(f.prompt, t, model_name);
       http::OutRequest req{"POST", "/v1/completions", &headers, body};
       http::CallOptions co;
       co.first_byte_timeout_s = opt.cfg.generation.request_timeout_s;
@@ -321,21 +273,12 @@ struct Pipeline::Impl {
       http::Pool::Full r = co_await pool->fetch(req, co, 64u << 20);
       const double dt = now_s() - t0;
       std::string why;
-      Group g;
       if (r.error == http::CallError::kCancelled) {
         std::lock_guard lk(mu);
         auto it = inflight.find(id);
         const bool stale = it != inflight.end() && it->second.stale;
-        if (stale && !stopping) {
-          ++counters["rollout/cancelled_stale_total"];
-          emit({"cancelled", f.prompt, it->second.version, versions.count(it->second.version) ? versions[it->second.version].sync_index : 0,
-                staleness_locked(versions.count(it->second.version) ? versions[it->second.version].sync_index : 0), 0, 0});
-          requeue_locked(f.prompt, nullptr);
-          end_inflight_locked(id);
-          cv_trainer.notify_all();
-          co_return;
-        }
-        break;  // stopping
+        out.kind = stale && !stopping ? RolloutKind::kCancelled : RolloutKind::kStopped;
+        co_return out;
       } else if (r.error != http::CallError::kNone) {
         why = std::string("transport: ") + r.message;
       } else if (r.status == 429 || r.status >= 500) {
@@ -353,7 +296,7 @@ struct Pipeline::Impl {
         std::lock_guard lk(mu);
         if (!fatal) fatal = "the server refused a rollout request (HTTP " + std::to_string(r.status) + "): " + r.body.substr(0, 500) +
                             " (check generation.* and the server's flags)";
-      } else if (auto bad = parse_response(r.body, g, max_tokens_for(f.prompt))) {
+      } else if (auto bad = parse_response(r.body, out, t.n, t.max_tokens)) {
         why = "invalid response: " + *bad;
         std::lock_guard lk(mu);
         ++counters["rollout/invalid_response_total"];
@@ -362,26 +305,19 @@ struct Pipeline::Impl {
         last_success = now_s();
         window.request_s_sum += dt;
         ++window.requests;
-        for (const auto& m : g.members) window.generated_tokens += static_cast<std::int64_t>(m.ids.size());
-        g.prompt = f.prompt;
-        g.ordinal = f.ordinal;
-        end_inflight_locked(id);
-        g.request_s = dt;
-        scoring.push_back(std::move(g));
-        cv_score.notify_one();
-        co_return;
+        for (const auto& m : out.members) window.generated_tokens += static_cast<std::int64_t>(m.ids.size());
+        out.request_s = dt;
+        out.kind = RolloutKind::kOk;
+        co_return out;
       }
       {
         std::lock_guard lk(mu);
         if (fatal) break;  // the run ends: the prompt stays owed (below), like a stop's
         if (++retries > a.max_retries) {
-          ++counters["rollout/failed_total"];
           LS_LOG_WARN("trainer", "rollout of prompt {} failed after {} retries: {}", f.prompt.index, a.max_retries, why);
-          emit({"failed", f.prompt, inflight[id].version, 0, 0, 0, 0});
-          requeue_locked(f.prompt, nullptr);
-          end_inflight_locked(id);
-          cv_trainer.notify_all();
-          co_return;
+          out.kind = RolloutKind::kFailed;
+          out.why = why;
+          co_return out;
         }
         ++counters["rollout/retry_total"];
         inflight[id].backoff = true;  // a switch meanwhile does not cancel it (nothing to cancel)
@@ -393,11 +329,48 @@ struct Pipeline::Impl {
       boost::system::error_code ec;
       co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     }
+    out.kind = RolloutKind::kStopped;
+    co_return out;
+  }
+
+  asio::awaitable<void> run_group(std::uint64_t id, InFlight f) {
+    CompleteFn call = [this, id, f](TurnRequest t) { return complete(id, f, std::move(t)); };
+    RolloutOutcome o = co_await source->rollout(f.prompt, problem(f.prompt.index), call);
+    std::lock_guard lk(mu);
+    for (const auto& [k, v] : o.counters) counters[k] += v;
+    auto it = inflight.find(id);
+    if (o.kind == RolloutKind::kOk && it != inflight.end()) {
+      Group& g = o.group;
+      last_success = now_s();
+      g.prompt = f.prompt;
+      g.ordinal = f.ordinal;
+      end_inflight_locked(id);
+      scoring.push_back(std::move(g));
+      cv_score.notify_one();
+      co_return;
+    }
+    if (o.kind == RolloutKind::kCancelled && it != inflight.end() && !stopping) {
+      const std::int64_t v = it->second.version;
+      const std::int64_t k = versions.count(v) ? versions[v].sync_index : 0;
+      ++counters["rollout/cancelled_stale_total"];
+      emit({"cancelled", f.prompt, v, k, staleness_locked(k), 0, 0});
+      requeue_locked(f.prompt, nullptr);
+      end_inflight_locked(id);
+      cv_trainer.notify_all();
+      co_return;
+    }
+    if (o.kind == RolloutKind::kFailed && it != inflight.end() && !stopping && !fatal) {
+      ++counters["rollout/failed_total"];
+      emit({"failed", f.prompt, it->second.version, 0, 0, 0, 0});
+      requeue_locked(f.prompt, nullptr);
+      end_inflight_locked(id);
+      cv_trainer.notify_all();
+      co_return;
+    }
     // Stopping, or a fatal error (this group's or another's) that ends the run: the request gave
     // nothing, so the prompt returns to the front of the dispatch order with the same attempt and
     // the checkpoint written on the way out owes it (trainer.md "exactly once").
-    std::lock_guard lk(mu);
-    if (inflight.count(id)) {
+    if (it != inflight.end()) {
       cursor.redo.push_front(f.prompt);
       end_inflight_locked(id);
     }
@@ -442,7 +415,8 @@ struct Pipeline::Impl {
       const double t0 = now_s();
       const ScoringRules rules{opt.cfg.grpo.truncated_reward, opt.cfg.grpo.reward_timeout_s, opt.cfg.grpo.reward_on_timeout,
                          &opt.stop_ids};
-      const ScoringCounts failed = score_members(g.members, problem(g.prompt.index), *reward, tokenizer, rules);
+      // An episode's rewards came from its environment (Group::prescored).
+      const ScoringCounts failed = g.prescored ? ScoringCounts{} : score_members(g.members, problem(g.prompt.index), *reward, tokenizer, rules);
       std::vector<double> rewards;
       for (const auto& m : g.members) rewards.push_back(m.reward);
       auto adv = group_advantages(rewards, adv_mode);
@@ -453,7 +427,8 @@ struct Pipeline::Impl {
       counters["rollout/reward_error_total"] += failed.errors;
       if (stopping) {  // shutting down: the rewards were abandoned; keep the group unscored
         active.erase(key);
-        for (auto& m : g.members) m.reward = std::numeric_limits<double>::quiet_NaN();
+        if (!g.prescored)  // an environment's rewards are kept: the episode cannot be replayed
+          for (auto& m : g.members) m.reward = std::numeric_limits<double>::quiet_NaN();
         scoring.push_front(std::move(g));
         return;
       }
@@ -571,6 +546,7 @@ void Pipeline::stop() {
     }
   }
   I.reward->shutdown();  // external rewards: kill or abandon calls in progress, never wait on them
+  I.source->shutdown();  // environments: the same
   I.cv_score.notify_all();
   I.cv_space.notify_all();
   I.cv_trainer.notify_all();

@@ -41,13 +41,24 @@ struct PromptRef {
 };
 
 struct Member {
-  std::vector<std::int32_t> ids;  // completion token ids as sampled (stop token included)
-  std::vector<float> logprobs;    // behaviour logprobs, one per id
-  std::string finish;             // "stop" | "length" | ...
+  std::vector<std::int32_t> ids;  // completion token ids as sampled (stop token included); for an
+                                  // episode every token after its first prompt, the model's turns
+                                  // and the environment's between them
+  std::vector<float> logprobs;    // behaviour logprobs, one per id (0 for an environment token)
+  // Per id: 1 = sampled by the model (trained), 0 = the environment's (context only). Empty: all 1.
+  std::vector<std::uint8_t> mask;
+  // Per id: the adapter version that sampled it (an environment token: its turn's). Empty: all
+  // the group's version.
+  std::vector<std::int64_t> versions;
+  std::vector<std::int64_t> prompt_ids;  // an episode's first prompt; empty: the problem's
+  std::string finish;             // "stop" | "length" | ...; an episode: "done" or why it ended
+  std::int64_t turns = 0;         // an episode's model turns (0: single turn)
   double reward = 0;
   std::vector<double> parts;      // per reward function
   double advantage = 0;
   bool valid() const { return std::isfinite(reward); }  // false: a reward function failed (NaN)
+  bool trainable(std::size_t i) const { return mask.empty() || mask[i] != 0; }
+  std::int64_t model_tokens() const;  // ids the model sampled (the trained ones)
 };
 
 struct Group {
@@ -60,6 +71,7 @@ struct Group {
   double enqueued_at = 0;    // seconds (steady clock), for time_in_queue
   double request_s = 0, score_s = 0;
   bool scored = false;
+  bool prescored = false;    // rewards came with the rollout (an environment's): no reward functions
   // Staleness at the step's last check before training (what the step trained at; a switch during
   // the step does not change it). Set by the trainer.
   std::int64_t staleness = 0;

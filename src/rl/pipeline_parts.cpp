@@ -7,6 +7,13 @@
 
 namespace lorasync::rl {
 
+std::int64_t Member::model_tokens() const {
+  if (mask.empty()) return static_cast<std::int64_t>(ids.size());
+  std::int64_t n = 0;
+  for (auto m : mask) n += m != 0;
+  return n;
+}
+
 double Group::mean_reward() const {
   double s = 0;
   std::int64_t n = 0;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <numeric>
+#include <set>
 #include <thread>
 
 #include "core/io/safetensors.h"
@@ -109,6 +110,11 @@ std::vector<std::vector<std::int64_t>> split(const std::vector<std::int64_t>& fl
 
 }  // namespace
 
+std::int64_t StepSample::trained_tokens() const {
+  if (mask.empty()) return static_cast<std::int64_t>(completion.size());
+  return std::count_if(mask.begin(), mask.end(), [](std::uint8_t m) { return m != 0; });
+}
+
 std::string message_kind(const std::string& bytes, const std::string& label) { return Reader(bytes, label).kind(); }
 
 std::string encode_config(const std::string& config_toml) { return Writer().bytes({{"kind", "config"}, {"config_toml", config_toml}}); }
@@ -146,6 +152,15 @@ std::string encode_step_work(const StepWork& w) {
     for (std::size_t i = 0; i < ts.size(); ++i) out.put_tensor(version_name(v, i), ts[i]);
   }
   out.put("sent_versions", io::DType::kI64, sent);
+  // Episodes' per-token mask and versions, only when a sample has them.
+  const bool per_token = std::any_of(w.samples.begin(), w.samples.end(), [](const StepSample& s) { return !s.mask.empty() || !s.versions.empty(); });
+  if (per_token) {
+    std::vector<std::int64_t> mask, vers;
+    for (const auto& s : w.samples)
+      for (std::size_t i = 0; i < s.completion.size(); ++i) mask.push_back(s.trainable(i) ? 1 : 0), vers.push_back(s.version_of(i));
+    out.put("token_mask", io::DType::kI64, mask);
+    out.put("token_version", io::DType::kI64, vers);
+  }
   return out.bytes({{"kind", w.kind}, {"message", w.message}});
 }
 
@@ -182,6 +197,16 @@ StepWork decode_step_work(const std::string& bytes, const std::string& label) {
     w.owner.push_back(static_cast<int>(owner[i]));
   }
   if (at != beh.size()) throw_invalid("{}: more behaviour logprobs than completion tokens", label);
+  if (in.has("token_mask") || in.has("token_version")) {
+    const auto mask = in.get<std::int64_t>("token_mask", io::DType::kI64), vers = in.get<std::int64_t>("token_version", io::DType::kI64);
+    if (mask.size() != at || vers.size() != at) throw_invalid("{}: token_mask / token_version do not hold one entry per completion token", label);
+    std::size_t k = 0;
+    for (auto& s : w.samples) {
+      s.mask.assign(mask.begin() + static_cast<std::ptrdiff_t>(k), mask.begin() + static_cast<std::ptrdiff_t>(k + s.completion.size()));
+      s.versions.assign(vers.begin() + static_cast<std::ptrdiff_t>(k), vers.begin() + static_cast<std::ptrdiff_t>(k + s.completion.size()));
+      k += s.completion.size();
+    }
+  }
   w.temperature = sc[0], w.denom = sc[1], w.lr = sc[2], w.loss_scale = sc[3];
   w.step = static_cast<std::int64_t>(sc[4]);
   w.keep_versions = in.get<std::int64_t>("keep_versions", io::DType::kI64);
@@ -332,8 +357,17 @@ ShareResult compute_share(const StepContext& ctx, const StepWork& w, const std::
     torch::NoGradGuard ng;
     for (const auto& row : plan.rows) {
       if (recompute) {
+        // Each sample under each version that sampled one of its trained tokens (an episode's
+        // turns may span versions: each token's old policy is its own turn's version).
         std::map<std::int64_t, std::vector<std::size_t>> by_version;
-        for (auto i : row) by_version[w.samples[i].version].push_back(i);
+        for (auto i : row) {
+          const auto& smp = w.samples[i];
+          std::set<std::int64_t> vs;
+          for (std::size_t t = 0; t < smp.completion.size(); ++t)
+            if (smp.trainable(t)) vs.insert(smp.version_of(t));
+          if (vs.empty()) vs.insert(smp.version);
+          for (auto v : vs) by_version[v].push_back(i);
+        }
         for (const auto& [v, idx] : by_version) {
           auto it = ctx.versions.find(v);
           if (it == ctx.versions.end())
@@ -341,7 +375,19 @@ ShareResult compute_share(const StepContext& ctx, const StepWork& w, const std::
           std::vector<PackedSample> sub;
           for (auto i : idx) sub.push_back(item(i));
           auto out = model::packed_logprobs(ctx.model, &it->second, sub, temp, b.logits_chunk);
-          for (std::size_t k = 0; k < idx.size(); ++k) old_lp[idx[k]] = out.logprobs.slice(0, out.offsets[k], out.offsets[k + 1]);
+          for (std::size_t k = 0; k < idx.size(); ++k) {
+            const std::size_t i = idx[k];
+            at::Tensor part = out.logprobs.slice(0, out.offsets[k], out.offsets[k + 1]);
+            const auto& smp = w.samples[i];
+            if (smp.versions.empty() || !old_lp[i].defined()) {
+              old_lp[i] = part;
+              continue;
+            }
+            std::vector<std::uint8_t> pick(smp.completion.size());
+            for (std::size_t t = 0; t < pick.size(); ++t) pick[t] = smp.version_of(t) == v;
+            at::Tensor sel = torch::from_blob(pick.data(), {static_cast<std::int64_t>(pick.size())}, torch::kUInt8).to(part.device()).to(torch::kBool);
+            old_lp[i] = torch::where(sel, part, old_lp[i]);
+          }
         }
       }
       if (ctx.loss.beta > 0) {
@@ -362,37 +408,49 @@ ShareResult compute_share(const StepContext& ctx, const StepWork& w, const std::
   for (const auto& row : plan.rows) {
     std::vector<PackedSample> sub;
     std::vector<float> beh, adv;
+    // Episodes: only the model's own tokens enter the loss (their row positions in `keep`).
+    bool masked = false;
+    for (auto i : row) masked = masked || !w.samples[i].mask.empty();
+    std::vector<std::int64_t> keep;
+    std::int64_t pos = 0;
     for (auto i : row) {
       const auto& s = w.samples[i];
       sub.push_back(item(i));
-      beh.insert(beh.end(), s.behaviour.begin(), s.behaviour.end());
-      adv.insert(adv.end(), s.completion.size(), s.advantage);
+      for (std::size_t t = 0; t < s.completion.size(); ++t, ++pos) {
+        if (!s.trainable(t)) continue;
+        beh.push_back(s.behaviour[t]);
+        adv.push_back(s.advantage);
+        if (masked) keep.push_back(pos);
+      }
     }
+    at::Tensor keep_idx;
+    if (masked) keep_idx = torch::from_blob(keep.data(), {static_cast<std::int64_t>(keep.size())}, torch::kInt64).to(ctx.device);
+    auto select = [&](const at::Tensor& t) { return masked ? t.index_select(0, keep_idx) : t; };
     const double f0 = now_s();
     auto out = packed_row_logprobs(ctx.model, &ctx.adapter, sub, temp, b.logits_chunk, b.activation_checkpointing);
     if (ctx.device.is_cuda()) model::device_synchronize(ctx.device);  // the forward's time, not its launch
     res.fwd_s += now_s() - f0;
     const auto fdt = out.logprobs.scalar_type();
     TokenInputs in;
-    in.logp = out.logprobs;
+    in.logp = select(out.logprobs);
     in.behaviour = torch::from_blob(beh.data(), {static_cast<std::int64_t>(beh.size())}, torch::kFloat32).to(opts.dtype(fdt));
     in.advantages = torch::from_blob(adv.data(), {static_cast<std::int64_t>(adv.size())}, torch::kFloat32).to(opts.dtype(fdt));
     if (recompute) {
       std::vector<at::Tensor> parts;
       for (auto i : row) parts.push_back(old_lp[i]);
-      in.old = torch::cat(parts).to(fdt);
+      in.old = select(torch::cat(parts)).to(fdt);
     }
     if (ctx.loss.beta > 0) {
       std::vector<at::Tensor> parts;
       for (auto i : row) parts.push_back(ref_lp[i]);
-      in.ref = torch::cat(parts).to(fdt);
+      in.ref = select(torch::cat(parts)).to(fdt);
     }
     at::Tensor values;
     at::Tensor L = grpo_token_losses_with_stats(in, ctx.loss, &values);
     if (values.defined()) row_stats.push_back(values), row_tokens.push_back(in.logp.numel());
     at::Tensor loss = L.sum() / w.denom;
     row_loss.push_back(loss.detach().to(torch::kDouble));
-    if (out.entropy.defined()) row_entropy.push_back(out.entropy.sum().to(torch::kDouble));
+    if (out.entropy.defined()) row_entropy.push_back(select(out.entropy).sum().to(torch::kDouble));
     (loss * w.loss_scale).backward();
   }
   if (!row_stats.empty()) {

@@ -34,8 +34,17 @@ inline constexpr const char* kDpFormat = "1";
 struct StepSample {
   std::vector<std::int64_t> prompt, completion;
   std::vector<float> behaviour;  // one per completion token
+  // Per completion token: 1 = trained (the model sampled it), 0 = context only (an environment's
+  // turn in an episode: no loss, not in the denominator). Empty: every token is trained.
+  std::vector<std::uint8_t> mask;
+  // Per completion token: the version that sampled it (the recompute pass's old policy for that
+  // token). Empty: `version` for all.
+  std::vector<std::int64_t> versions;
   float advantage = 0;
   std::int64_t version = 0;      // the adapter version that generated it (recompute)
+  bool trainable(std::size_t i) const { return mask.empty() || mask[i] != 0; }
+  std::int64_t version_of(std::size_t i) const { return versions.empty() ? version : versions[i]; }
+  std::int64_t trained_tokens() const;
   std::int64_t group = 0, member = 0;  // packing's deterministic tie-break
 };
 

@@ -94,7 +94,7 @@ void Trainer::prepare_output() {
     if (args_.overwrite) {
       std::error_code ec;
       fs::remove_all(ckpt_dir_, ec);
-      for (const char* f : {"metrics.jsonl", "groups.jsonl"}) fs::remove(out_ / f, ec);
+      for (const char* f : {"metrics.jsonl", "groups.jsonl", "episodes.jsonl"}) fs::remove(out_ / f, ec);
       fs::remove_all(out_ / "final_adapter", ec);
       // Published versions are removed after the leftovers are unloaded from the servers.
     }
@@ -122,7 +122,9 @@ void Trainer::load_model_and_data() {
   dopt.system_prompt = cfg_.data.system_prompt;
   dopt.max_prompt_tokens = cfg_.data.max_prompt_tokens;
   try {
-    data_ = load_dataset(cfg_.data.train_file, *tokenizer_, dopt);
+    // An environment that makes its own tasks (env.rows): rows 0..N-1 with nothing but an index.
+    data_ = cfg_.data.train_file.empty() && cfg_.env.rows > 0 ? index_dataset(cfg_.env.rows)
+                                                              : load_dataset(cfg_.data.train_file, *tokenizer_, dopt);
   } catch (const Error& e) {
     refuse(std::string(e.what()));
   }
@@ -356,6 +358,7 @@ int Trainer::run_main() {
   }
   metrics_.open(mfile);
   if (cfg_.logging.group_log) groups_log_.open(out_ / "groups.jsonl");
+  if (cfg_.logging.group_log && !cfg_.env.command.empty()) episodes_log_.open(out_ / "episodes.jsonl");
   write_file_atomic(out_ / "run.json", json{{"run_name", cfg_.run_name}, {"start_time", unix_now()}, {"restarts", restarts_},
                                             {"program_version", LORASYNC_VERSION}, {"resumed_from", args_.resume ? args_.resume_dir : ""}}.dump(1));
 
@@ -456,6 +459,7 @@ int Trainer::run_main() {
       train_step(groups, m);
       in_step = false;
       pipe_->record_trained(groups);
+      log_episodes(groups);
       double sync_wait = sync_wait_carry;
       sync_wait_carry = 0;
       if (step_ % cfg_.sync.weight_sync_steps == 0) {

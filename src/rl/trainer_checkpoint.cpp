@@ -56,6 +56,7 @@ void Trainer::write_checkpoint_now(bool final_ckpt) {
              {"loss_scaler", {{"scale", loss_scale_}, {"clean_steps", clean_steps_}}},
              {"rng", {{"seed", cfg_.seed}}},
              {"metrics_offset", metrics_.offset()},
+             {"episodes_offset", episodes_log_.offset()},
              {"groups_offset", ps.events_offset},
              {"config_toml", cfg_toml},
              {"config_sha256", sha256_hex(cfg_toml)},
@@ -89,6 +90,8 @@ void Trainer::restore_from(const fs::path& dir) {
   // Metrics files: cut what was written after the checkpoint.
   truncate_with_orphans(out_ / "metrics.jsonl", st.at("metrics_offset").get<std::uint64_t>(), restarts_);
   truncate_with_orphans(out_ / "groups.jsonl", st.at("groups_offset").get<std::uint64_t>(), restarts_);
+  if (st.contains("episodes_offset") && fs::exists(out_ / "episodes.jsonl"))
+    truncate_with_orphans(out_ / "episodes.jsonl", st.at("episodes_offset").get<std::uint64_t>(), restarts_);
   PipelineState ps;
   ps.cursor = cursor_from_json(st.at("cursor"));
   ps.groups = std::move(d.groups);

@@ -176,6 +176,8 @@ class Trainer {
   double wait_sync_idle();
   // ---- training
   void train_step(std::vector<Group>& groups, json& m);
+  // episodes.jsonl: one line per trained episode (its turns' text, reward, how it ended).
+  void log_episodes(const std::vector<Group>& groups);
   std::vector<Group> assemble_step(double& wait_s);
   std::vector<Group> assemble_step_into(std::vector<Group>& groups, double& wait_s);
   void write_checkpoint_now(bool final_ckpt);
@@ -208,7 +210,7 @@ class Trainer {
   std::unique_ptr<AdapterPublisher> publisher_;
   std::unique_ptr<http::BlockingClient> client_;  // main thread
   std::unique_ptr<MetricsEndpoint> endpoint_;
-  JsonlWriter metrics_, groups_log_;
+  JsonlWriter metrics_, groups_log_, episodes_log_;  // episodes.jsonl: with an [env] command
   std::string served_model_, base_sha_;
   bool push_ = false;  // weight sync by push (probe_capabilities)
   std::vector<std::int64_t> stop_ids_;

@@ -4,6 +4,8 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+
 #include "rl/advantages.h"
 
 namespace lorasync::rl::detail {
@@ -91,6 +93,35 @@ std::vector<Group> Trainer::assemble_step_into(std::vector<Group>& groups, doubl
   return std::move(groups);
 }
 
+void Trainer::log_episodes(const std::vector<Group>& groups) {
+  if (cfg_.env.command.empty() || !cfg_.logging.group_log) return;
+  for (const auto& g : groups) {
+    std::int64_t mi = 0;
+    for (const auto& mem : g.members) {
+      // The model's turns: the runs of masked-in tokens, decoded (a trailing stop token left out).
+      json turns = json::array();
+      for (std::size_t i = 0; i < mem.ids.size();) {
+        if (!mem.trainable(i)) {
+          ++i;
+          continue;
+        }
+        std::size_t e = i;
+        while (e < mem.ids.size() && mem.trainable(e)) ++e;
+        std::vector<std::int32_t> t(mem.ids.begin() + static_cast<std::ptrdiff_t>(i), mem.ids.begin() + static_cast<std::ptrdiff_t>(e));
+        if (!t.empty() && std::find(stop_ids_.begin(), stop_ids_.end(), t.back()) != stop_ids_.end()) t.pop_back();
+        turns.push_back(tokenizer_->decode(t));
+        i = e;
+      }
+      json j = {{"step", step_}, {"prompt", g.prompt.index}, {"epoch", g.prompt.epoch}, {"attempt", g.prompt.attempt},
+                {"member", mi++}, {"version", g.version}, {"turns", mem.turns}, {"finish", mem.finish},
+                {"reward", mem.valid() ? json(mem.reward) : json(nullptr)}, {"advantage", mem.advantage},
+                {"model_tokens", mem.model_tokens()}, {"env_tokens", static_cast<std::int64_t>(mem.ids.size()) - mem.model_tokens()},
+                {"text", turns}};
+      episodes_log_.write(j.dump(-1, ' ', false, json::error_handler_t::replace));
+    }
+  }
+}
+
 void Trainer::train_step(std::vector<Group>& groups, json& m) {
   const auto& cfg = cfg_;
   StepWork w;
@@ -101,14 +132,21 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
     LS_CHECK(pr, "group for an unknown prompt");
     std::int64_t mi = 0;
     for (const auto& mem : g.members) {
+      // An episode that failed before its first model turn has nothing to train.
+      if (mem.ids.empty() || mem.model_tokens() == 0) {
+        ++mi;
+        continue;
+      }
       StepSample s;
-      s.prompt = pr->prompt_ids;
+      s.prompt = mem.prompt_ids.empty() ? pr->prompt_ids : mem.prompt_ids;
       s.completion.assign(mem.ids.begin(), mem.ids.end());
       s.behaviour = mem.logprobs;
+      s.mask = mem.mask;
+      s.versions = mem.versions;
       s.advantage = static_cast<float>(mem.advantage);
       s.version = g.version;
       s.group = gi, s.member = mi++;
-      total_completion += static_cast<std::int64_t>(s.completion.size());
+      total_completion += s.trained_tokens();
       total_tokens += static_cast<std::int64_t>(s.prompt.size() + s.completion.size());
       w.samples.push_back(std::move(s));
     }
@@ -184,6 +222,7 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   double stale_sum = 0, stale_max = 0, tq = 0;
   const double tnow = now_s();
   double scored = 0;  // members with a reward (a failed external reward leaves NaN: excluded)
+  double ep_n = 0, ep_turns = 0, ep_model = 0, ep_env = 0, ep_trunc = 0, ep_failed = 0;  // episodes
   std::vector<double> rewards;
   for (const auto& g : groups) {
     rewards.clear();
@@ -194,7 +233,14 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
     const auto s = static_cast<double>(g.staleness);  // as checked before the step, never max + 1
     for (const auto& mem : g.members) {
       if (!std::isnan(mem.reward)) rsum += mem.reward, scored += 1;
-      if (mem.finish == "length") clipped += 1;
+      if (mem.finish == "length" || mem.finish == "truncated_length") clipped += 1;
+      if (mem.turns > 0) {
+        ep_n += 1, ep_turns += static_cast<double>(mem.turns);
+        ep_model += static_cast<double>(mem.model_tokens());
+        ep_env += static_cast<double>(static_cast<std::int64_t>(mem.ids.size()) - mem.model_tokens());
+        if (mem.finish.rfind("truncated_", 0) == 0) ep_trunc += 1;
+        if (mem.finish.rfind("env_", 0) == 0) ep_failed += 1;
+      }
       minlen = std::min<std::int64_t>(minlen, static_cast<std::int64_t>(mem.ids.size()));
       maxlen = std::max<std::int64_t>(maxlen, static_cast<std::int64_t>(mem.ids.size()));
       for (std::size_t k = 0; !std::isnan(mem.reward) && k < part_sums.size() && k < mem.parts.size(); ++k)
@@ -218,6 +264,13 @@ void Trainer::train_step(std::vector<Group>& groups, json& m) {
   m["completions/min_length"] = minlen;
   m["completions/max_length"] = maxlen;
   m["completions/clipped_ratio"] = clipped / dn;
+  if (ep_n > 0) {  // episodes (docs/environments.md): per step, over the step's episodes
+    m["episode/turns_mean"] = ep_turns / ep_n;
+    m["episode/model_tokens_per_turn"] = ep_model / std::max(1.0, ep_turns);
+    m["episode/env_tokens_mean"] = ep_env / ep_n;
+    m["episode/truncated_frac"] = ep_trunc / ep_n;
+    m["episode/failed_frac"] = ep_failed / ep_n;
+  }
   m["ratio"] = stats.ratio_sum / nt;
   m["ratio/min"] = stats.ratio_min;
   m["ratio/max"] = stats.ratio_max;

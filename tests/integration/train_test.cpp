@@ -200,6 +200,46 @@ TEST_F(TrainFixture, RatioIsOneWhenTrainerAndServerHoldTheSameWeights) {
   }
 }
 
+// Episodes against an environment (docs/environments.md, rl/episode.h) through a real replica: the
+// scripted environment (tests/unit/rl/envs/scripted_env.py) answers two model turns per episode,
+// each turn cut at max_new_tokens (a random model rarely stops) and closed by the template's
+// <|im_end|>. With lr = 0 and a non-zero initial adapter the trainer's recomputed logprobs of the
+// model's own tokens, at their positions in the whole multi-turn sequence, equal the replica's
+// (ratio 1, mismatch < 1e-6): the mask, the positions and the token-in/token-out contexts agree
+// with what was sampled. The rewards are the environment's (0.25 a turn answered without "yes").
+TEST_F(TrainFixture, EpisodesAgainstAnEnvironmentTrainOnTheModelsTokens) {
+  std::uint16_t port = 0;
+  rep0_ = replica(&port);
+  const fs::path init = dir_.path() / "init-adapter";
+  auto r = testing::run_lorasync("init-adapter --model " + testing::shell_quote(model_.string()) + " --output " +
+                                 testing::shell_quote(init.string()) + " --rank 4 --alpha 8 --b-std 0.3 --seed 9");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string env = "[env]\ncommand = [\"python3\", \"" + std::string(LORASYNC_SOURCE_DIR) +
+                          "/tests/unit/rl/envs/scripted_env.py\", \"--mode\", \"ok\"]\nworkers = 4\ntimeout_s = 60\n";
+  const std::string cfg = config(port, env);
+  r = testing::run_lorasync("train --config " + testing::shell_quote(cfg) + " --set max_steps=3 --set optimizer.lr=0.0" +
+                            " --set 'lora.init_adapter=\"" + init.string() + "\"'");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto metrics = read_jsonl(bucket_ / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 3u);
+  for (const auto& m : metrics) {
+    EXPECT_NEAR(m["ratio"].get<double>(), 1.0, 1e-4);
+    EXPECT_NEAR(m["ratio/min"].get<double>(), 1.0, 1e-4);
+    EXPECT_NEAR(m["ratio/max"].get<double>(), 1.0, 1e-4);
+    EXPECT_LT(m["mismatch/kl"].get<double>(), 1e-6);
+    EXPECT_DOUBLE_EQ(m["episode/turns_mean"].get<double>(), 2.0);
+    EXPECT_DOUBLE_EQ(m["episode/model_tokens_per_turn"].get<double>(), 12.0);
+    EXPECT_GT(m["episode/env_tokens_mean"].get<double>(), 5.0);
+    EXPECT_EQ(m["episode/failed_frac"].get<double>(), 0.0);
+    EXPECT_GE(m["reward"].get<double>(), 0.25);
+    EXPECT_EQ(m["completions/mean_length"].get<double>(), 24.0) << "only the model's tokens are trained";
+    EXPECT_EQ(m["rollout/env_crashed_total"], 0);
+    EXPECT_EQ(m["rollout/env_invalid_total"], 0);
+  }
+  EXPECT_GE(metrics.back()["episode/total"].get<int>(), 48);
+  EXPECT_GE(metrics.back()["episode/cut_turns_total"].get<int>(), 96);
+}
+
 // The tightest slot count the capability probe accepts (max_staleness + 2) and a sync every step:
 // a version leaving the window must be unloaded before the next load needs its slot (a version
 // whose cancelled requests had not ended at the switch used to wait a whole sync, so the next load

@@ -7,6 +7,7 @@
 
 #include <random>
 
+#include "core/model/logprobs.h"
 #include "core/model/qwen2_model.h"
 #include "rl/step_work.h"
 #include "util/error.h"
@@ -249,6 +250,82 @@ TEST(StepWork, SharesSumToTheWholeStepsGradients) {
   EXPECT_EQ(flat.abs().sum().item<double>(), 0.0);
   unflatten_grads(adapter.parameters(), torch::arange(flat.numel(), torch::kFloat32));
   EXPECT_EQ(adapter.parameters()[1].grad().reshape({-1})[0].item<float>(), static_cast<float>(adapter.parameters()[0].numel()));
+}
+
+// An episode's sample (rl/episode.h): turn 1 sampled by version 1, the environment's tokens
+// (mask 0), turn 2 sampled by version 2. Only the model's tokens are trained (the statistics count
+// them alone, and what the masked positions carry changes nothing), and the recompute pass takes
+// each token's old policy from its own turn's version: with behaviour logprobs computed under the
+// right version per token, every TIS weight is exactly 1 (and it is not when one version is used
+// for the whole sample). The mask and versions survive the ranks' messages.
+TEST(StepWork, EpisodeSamplesTrainTheModelsTokensUnderTheirOwnVersions) {
+  const auto c = tiny();
+  auto model = model::Qwen2Model::from_named(c, model::random_weights(c, 3, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  model::LoraConfig lc;
+  lc.rank = 2, lc.alpha = 4;
+  lc.targets = model::LoraConfig::parse_targets({"all-linear"});
+  model::LoraAdapter adapter = model::LoraAdapter::init(lc, c, 5, at::kCPU);
+  std::map<std::int64_t, model::LoraAdapter> versions;
+  versions[1] = adapter.clone();
+  versions[2] = adapter.clone();
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : versions[1].parameters()) p.add_(torch::randn(p.sizes()) * 0.05);
+    for (auto& p : versions[2].parameters()) p.add_(torch::randn(p.sizes()) * 0.3);
+  }
+  adapter.set_requires_grad(true);
+  TrainConfig cfg;
+  cfg.batching.row_tokens = 256;
+  LossConfig loss;  // recompute, TIS cap 2
+  StepSample s;
+  s.prompt = {5, 6, 7, 8};
+  const std::vector<std::int64_t> t1 = {20, 21, 22}, env = {300, 301, 302, 303}, t2 = {40, 41};
+  for (const auto* part : {&t1, &env, &t2}) s.completion.insert(s.completion.end(), part->begin(), part->end());
+  for (auto t : t1) (void)t, s.mask.push_back(1), s.versions.push_back(1);
+  for (auto t : env) (void)t, s.mask.push_back(0), s.versions.push_back(1);
+  for (auto t : t2) (void)t, s.mask.push_back(1), s.versions.push_back(2);
+  s.version = 1;
+  s.advantage = 0.5f;
+  const double temp = 0.9;
+  auto lp = [&](std::int64_t v) { return model::completion_logprobs(*model, &versions.at(v), {{s.prompt, s.completion}}, temp)[0]; };
+  const auto lp1 = lp(1), lp2 = lp(2);
+  for (std::size_t i = 0; i < s.completion.size(); ++i) s.behaviour.push_back(s.versions[i] == 1 ? lp1[i] : lp2[i]);
+  StepWork w;
+  w.temperature = temp, w.denom = 5, w.lr = 1e-3, w.loss_scale = 1;
+  w.samples = {s};
+  w.owner = {0};
+  StepContext ctx{*model, adapter, versions, loss, cfg.batching, at::kCPU};
+  auto grads = [&] {
+    std::vector<at::Tensor> g;
+    for (auto& p : adapter.parameters()) {
+      g.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    return g;
+  };
+  const ShareResult r = compute_share(ctx, w, {0});
+  const auto g = grads();
+  EXPECT_EQ(r.stats.n_tokens, 5) << "the 3 + 2 model tokens, not the environment's 4";
+  EXPECT_NEAR(r.stats.tis_weight_sum, 5.0, 1e-4) << "each token's old policy is its own turn's version";
+  EXPECT_LT(r.stats.mismatch_k3_sum, 1e-6);
+  // What the masked positions carry is ignored.
+  StepWork w2 = w;
+  for (std::size_t i = t1.size(); i < t1.size() + env.size(); ++i) w2.samples[0].behaviour[i] = -40.0f;
+  const ShareResult r2 = compute_share(ctx, w2, {0});
+  const auto g2 = grads();
+  EXPECT_DOUBLE_EQ(r2.loss, r.loss);
+  for (std::size_t i = 0; i < g.size(); ++i) EXPECT_TRUE(torch::equal(g[i], g2[i])) << i;
+  // Control: one version for the whole sample misjudges turn 2's tokens.
+  StepWork w3 = w;
+  w3.samples[0].versions.clear();
+  const ShareResult r3 = compute_share(ctx, w3, {0});
+  grads();
+  EXPECT_GT(r3.stats.mismatch_k3_sum, 1e-4) << "the control must differ, or the check above proves nothing";
+  // Messages between ranks carry the mask and the versions.
+  const StepWork d = decode_step_work(encode_step_work(w), "test");
+  EXPECT_EQ(d.samples[0].mask, s.mask);
+  EXPECT_EQ(d.samples[0].versions, s.versions);
+  EXPECT_EQ(d.samples[0].trained_tokens(), 5);
 }
 
 // The store carries values of any size: the libuv TCPStore drops a connection that sends more

@@ -56,6 +56,17 @@ TEST(TrainerParts, CheckpointRoundTripIsBitExact) {
   d.groups = {make_group(1, 3, 2), make_group(2, 3, 2)};
   d.groups[1].scored = false;
   d.groups[1].members[2].reward = std::nan("");
+  // An episode's member: its own prompt, a mask over the environment's tokens, versions per token.
+  {
+    Member& e = d.groups[0].members[1];
+    e.ids = {10, 11, 12, 300, 301, 13};
+    e.logprobs = {-0.5f, -1.0f, -0.25f, 0.0f, 0.0f, -2.0f};
+    e.mask = {1, 1, 1, 0, 0, 1};
+    e.versions = {3, 3, 3, 3, 3, 4};
+    e.prompt_ids = {1, 2, 3, 4, 5};
+    e.turns = 2;
+    d.groups[0].prescored = true;
+  }
   d.state = {{"cursor", cursor_to_json(Cursor{1, 5, {4, 3, 2, 1, 0}, {{7, 1, 2}}})}};
   const auto ck = dir.path() / "checkpoints";
   auto p1 = write_checkpoint(ck, d, 3);
@@ -76,6 +87,16 @@ TEST(TrainerParts, CheckpointRoundTripIsBitExact) {
       EXPECT_EQ(r.groups[g].members[m].logprobs, d.groups[g].members[m].logprobs);  // bit-exact floats
       EXPECT_EQ(r.groups[g].members[m].advantage, d.groups[g].members[m].advantage);
     }
+  {
+    const Member& e = r.groups[0].members[1];
+    EXPECT_EQ(e.mask, d.groups[0].members[1].mask);
+    EXPECT_EQ(e.versions, d.groups[0].members[1].versions);
+    EXPECT_EQ(e.prompt_ids, d.groups[0].members[1].prompt_ids);
+    EXPECT_EQ(e.turns, 2);
+    EXPECT_TRUE(r.groups[0].prescored);
+    EXPECT_FALSE(r.groups[1].prescored);
+    EXPECT_TRUE(r.groups[0].members[0].mask.empty()) << "a single-turn member stores no mask";
+  }
   EXPECT_FALSE(r.groups[1].scored);
   EXPECT_FALSE(r.groups[1].members[2].valid());
   auto cur = cursor_from_json(r.state["cursor"]);
