@@ -118,18 +118,11 @@ EnvStepResult parse_step_answer(const std::string& line, std::int64_t id) {
   return r;
 }
 
-EnvironmentPool::EnvironmentPool(EnvOptions opt) : opt_(std::move(opt)), slots_(static_cast<std::size_t>(std::max<std::int64_t>(1, opt_.workers))) {
-  sandbox_.who = "env";
-  sandbox_.command = opt_.command;
-  sandbox_.workdir = opt_.workdir;
+EnvironmentPool::EnvironmentPool(EnvOptions opt)
+    : opt_(std::move(opt)),
+      sandbox_(sandbox_options("env", opt_.command, opt_.workdir, opt_.cpu_s, opt_.memory_mb, opt_.max_output_bytes, opt_.network)),
+      slots_(static_cast<std::size_t>(std::max<std::int64_t>(1, opt_.workers))) {
   sandbox_.env = opt_.environment;
-  sandbox_.cpu_s = opt_.cpu_s;
-  sandbox_.memory_mb = opt_.memory_mb;
-  sandbox_.max_line_bytes = opt_.max_output_bytes;
-  sandbox_.isolate_network = !opt_.network && network_isolation_available();
-  if (!opt_.network && !sandbox_.isolate_network)
-    LS_LOG_WARN("trainer", "env: no network namespace can be created here (unshare refused); the environment runs with "
-                           "rlimits only and can reach the network");
 }
 
 EnvironmentPool::~EnvironmentPool() { shutdown(); }

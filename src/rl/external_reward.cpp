@@ -31,18 +31,11 @@ using nlohmann::json;
 
 class CommandReward final : public RewardFunction {
  public:
-  explicit CommandReward(ExternalRewardOptions o) : opt_(std::move(o)), workers_(static_cast<std::size_t>(opt_.workers)) {
-    sandbox_.who = "reward " + opt_.name;
-    sandbox_.command = opt_.command;
-    sandbox_.workdir = opt_.workdir;
-    sandbox_.cpu_s = opt_.cpu_s;
-    sandbox_.memory_mb = opt_.memory_mb;
-    sandbox_.max_line_bytes = opt_.max_output_bytes;
-    sandbox_.isolate_network = !opt_.network && network_isolation_available();
-    if (!opt_.network && !sandbox_.isolate_network)
-      LS_LOG_WARN("reward", "reward {}: no network namespace can be created here (unshare refused); its command "
-                            "runs with rlimits only and can reach the network", opt_.name);
-  }
+  explicit CommandReward(ExternalRewardOptions o)
+      : opt_(std::move(o)),
+        sandbox_(sandbox_options("reward " + opt_.name, opt_.command, opt_.workdir, opt_.cpu_s, opt_.memory_mb, opt_.max_output_bytes,
+                                 opt_.network)),
+        workers_(static_cast<std::size_t>(opt_.workers)) {}
   ~CommandReward() override {
     std::lock_guard lk(mu_);
     for (auto& w : workers_) w.proc.kill();

@@ -64,6 +64,22 @@ bool network_isolation_available() {
   return ok;
 }
 
+SandboxOptions sandbox_options(std::string who, std::vector<std::string> command, std::string workdir, double cpu_s,
+                               std::int64_t memory_mb, std::int64_t max_line_bytes, bool network) {
+  SandboxOptions o;
+  o.who = std::move(who);
+  o.command = std::move(command);
+  o.workdir = std::move(workdir);
+  o.cpu_s = cpu_s;
+  o.memory_mb = memory_mb;
+  o.max_line_bytes = max_line_bytes;
+  o.isolate_network = !network && network_isolation_available();
+  if (!network && !o.isolate_network)
+    LS_LOG_WARN("trainer", "{}: no network namespace can be created here (unshare refused); its program runs with rlimits "
+                           "only and can reach the network", o.who);
+  return o;
+}
+
 std::string SandboxWorker::kill() {
   std::string how;
   if (pid_ > 0) {

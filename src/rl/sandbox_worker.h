@@ -41,6 +41,11 @@ struct SandboxOptions {
   std::int64_t max_line_bytes = 1 << 20;
 };
 
+// The options of a worker: isolate_network is set when `network` is false and this process can
+// make a namespace; when it cannot, a warning says that `who`'s program can reach the network.
+SandboxOptions sandbox_options(std::string who, std::vector<std::string> command, std::string workdir, double cpu_s,
+                               std::int64_t memory_mb, std::int64_t max_line_bytes, bool network);
+
 class SandboxWorker {
  public:
   using Clock = std::chrono::steady_clock;
