@@ -14,7 +14,7 @@
 #include <optional>
 #include <string>
 
-#include "rl/pipeline.h"
+#include "rl/rollout_types.h"
 
 namespace lorasync::rl {
 

@@ -84,7 +84,8 @@ class EpisodeSource final : public RolloutSource {
     render_env_turn(tokenizer_, {}, false);  // throws now for a tokenizer without the ChatML markers
     im_end_ = *tokenizer_.token_to_id("<|im_end|>");
   }
-  ~EpisodeSource() override {
+  ~EpisodeSource() override { join(); }
+  void join() override {
     pool_.shutdown();
     threads_.join();
   }

@@ -85,13 +85,15 @@ struct Pipeline::Impl {
   bool stopping = false;
   double admission_blocked_since = -1, score_blocked_since = -1;
 
+  // Declared before the io_context: coroutine frames the context destroys may still hold the
+  // source's objects (an episode's environment session).
+  std::unique_ptr<RolloutSource> source;  // single turn, or episodes against an environment
   asio::io_context ctx;
   // The dispatcher's wait when nothing can be admitted, cancelled (no polling) by any change that may
   // admit a group; its 50 ms expiry only bounds a wake-up that a future change might forget.
   asio::steady_timer dispatch_timer{ctx};
   bool dispatch_wake = false;  // a wake-up is posted and the dispatcher has not looked since
   std::unique_ptr<http::Pool> pool;
-  std::unique_ptr<RolloutSource> source;  // single turn, or episodes against an environment
   std::thread rollout_thread;
   std::vector<std::thread> workers;
 
@@ -565,6 +567,7 @@ void Pipeline::stop() {
     asio::post(I.ctx, [&I] { I.pool.reset(); });
     I.ctx.stop();
     I.rollout_thread.join();
+    I.source->join();  // its threads post into the context no more
     I.pool.reset();
     std::lock_guard lk(I.mu);
     for (auto& [id, f] : I.inflight) I.cursor.redo.push_front(f.prompt);  // never started unwinding

@@ -24,6 +24,7 @@
 
 #include "rl/config.h"
 #include "rl/dataset.h"
+#include "rl/rollout_types.h"
 
 namespace lorasync::tok {
 class Tokenizer;
@@ -33,56 +34,6 @@ class RewardFunction;
 }
 
 namespace lorasync::rl {
-
-struct PromptRef {
-  std::int64_t index = 0;    // problem index (dataset order)
-  std::int64_t epoch = 0;
-  std::int64_t attempt = 1;  // 1 = first dispatch
-};
-
-struct Member {
-  std::vector<std::int32_t> ids;  // completion token ids as sampled (stop token included); for an
-                                  // episode every token after its first prompt, the model's turns
-                                  // and the environment's between them
-  std::vector<float> logprobs;    // behaviour logprobs, one per id (0 for an environment token)
-  // Per id: 1 = sampled by the model (trained), 0 = the environment's (context only). Empty: all 1.
-  std::vector<std::uint8_t> mask;
-  // Per id: the adapter version that sampled it (an environment token: its turn's). Empty: all
-  // the group's version.
-  std::vector<std::int64_t> versions;
-  std::vector<std::int64_t> prompt_ids;  // an episode's first prompt; empty: the problem's
-  std::string finish;             // "stop" | "length" | ...; an episode: "done" or why it ended
-  std::int64_t turns = 0;         // an episode's model turns (0: single turn)
-  double reward = 0;
-  std::vector<double> parts;      // per reward function
-  double advantage = 0;
-  bool valid() const { return std::isfinite(reward); }  // false: a reward function failed (NaN)
-  bool trainable(std::size_t i) const { return mask.empty() || mask[i] != 0; }
-  std::int64_t model_tokens() const;  // ids the model sampled (the trained ones)
-};
-
-struct Group {
-  PromptRef prompt;
-  std::int64_t version = 0, sync_index = 0;
-  std::vector<Member> members;
-  std::uint64_t seq = 0;     // queue order within a sync index: completion order, or dispatch
-                             // order with async.ordered
-  std::uint64_t ordinal = 0; // dispatch order (this process)
-  double enqueued_at = 0;    // seconds (steady clock), for time_in_queue
-  double request_s = 0, score_s = 0;
-  bool scored = false;
-  bool prescored = false;    // rewards came with the rollout (an environment's): no reward functions
-  // Staleness at the step's last check before training (what the step trained at; a switch during
-  // the step does not change it). Set by the trainer.
-  std::int64_t staleness = 0;
-  double mean_reward() const;
-  std::int64_t tokens() const;
-};
-
-struct VersionInfo {
-  std::int64_t version = 0, sync_index = 0;
-  std::string name, sha256;
-};
 
 // Dispatch order (trainer.md §1.6): the redo list first, then the epoch's permutation.
 struct Cursor {
@@ -192,7 +143,5 @@ std::vector<std::int64_t> epoch_permutation(std::int64_t n, std::int64_t seed, s
 // Every random choice of the trainer (the epoch permutations, request seeds) is a pure function of
 // (seed, epoch, prompt, attempt) through splitmix64 (util/random.h): the trainer keeps no generator
 // state, so a checkpoint's seed and cursor restore them all.
-// Parses "<prefix>-v<N>"; nullopt when the name does not match.
-std::optional<std::int64_t> parse_version_name(const std::string& name, const std::string& prefix);
 
 }  // namespace lorasync::rl

@@ -26,8 +26,9 @@
 #include <vector>
 
 #include "rl/completion_response.h"
+#include "rl/config.h"
 #include "rl/dataset.h"
-#include "rl/pipeline.h"
+#include "rl/rollout_types.h"
 
 namespace lorasync::rl {
 
@@ -49,6 +50,9 @@ class RolloutSource {
   virtual std::vector<std::string> counter_names() const { return {}; }
   // Ends blocking work at once (stop()).
   virtual void shutdown() {}
+  // After the rollout thread has stopped: waits for the source's own threads, so that nothing
+  // posts into the pipeline's io_context any more (it is destroyed before the source).
+  virtual void join() {}
 };
 
 // One call with n = G on the problem's prompt; max_tokens as trainer.md §1.2.

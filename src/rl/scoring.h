@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "rl/dataset.h"
-#include "rl/pipeline.h"
+#include "rl/rollout_types.h"
 
 namespace lorasync::reward {
 class RewardFunction;
