@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <optional>
 
 #include "core/tokenizer/tokenizer.h"
 #include "util/error.h"
@@ -119,9 +120,6 @@ class EpisodeSource final : public RolloutSource {
       co_await done.async_wait(asio::redirect_error(asio::use_awaitable, ec));
     }
     RolloutOutcome out;
-    for (const char* k : {"episode/total", "episode/turns_total", "episode/env_ms_total", "episode/model_tokens_total",
-                          "episode/env_tokens_total", "episode/cut_turns_total"})
-      out.counters[k] = 0;
     // A completion call that did not answer ends the group (the worst outcome wins: stopped, then
     // cancelled, then failed), as a single-turn request would.
     for (auto kind : {RolloutKind::kStopped, RolloutKind::kCancelled, RolloutKind::kFailed})
@@ -218,20 +216,20 @@ class EpisodeSource final : public RolloutSource {
       fail_env(e);
       co_return r;
     }
-    std::vector<std::int64_t> context;
+    const auto& gen = cfg_.generation;
+    std::optional<std::vector<std::int64_t>> first;
     try {
-      context = observation_tokens(obs, false);
+      first = observation_tokens(obs, false, gen.context_len - 1);
     } catch (const EnvFailed& e) {
       fail_env(e);
       co_return r;
     }
-    const auto& gen = cfg_.generation;
-    if (static_cast<std::int64_t>(context.size()) >= gen.context_len) {
-      fail_env(EnvFailed(EnvFailure::kInvalid, "env: the first observation has " + std::to_string(context.size()) +
-                                                   " tokens, no room for a model turn in generation.context_len " +
+    if (!first) {
+      fail_env(EnvFailed(EnvFailure::kInvalid, "env: the first observation leaves no room for a model turn in generation.context_len " +
                                                    std::to_string(gen.context_len)));
       co_return r;
     }
+    std::vector<std::int64_t> context = std::move(*first);
     mem.prompt_ids = context;
     const std::int64_t episode_budget = cfg_.env.max_episode_tokens > 0 ? cfg_.env.max_episode_tokens : gen.context_len;
     std::int64_t version = 0;
@@ -282,7 +280,7 @@ class EpisodeSource final : public RolloutSource {
       act.token_ids.assign(turn.ids.begin(), turn.ids.end());
       act.finish_reason = turn.finish.empty() ? "stop" : turn.finish;
       EnvStepResult step;
-      std::vector<std::int64_t> obs_ids;
+      std::optional<std::vector<std::int64_t>> obs_ids;
       try {
         const double t0 = now_s();
         EnvironmentPool::Session* sp = session.get();
@@ -294,23 +292,23 @@ class EpisodeSource final : public RolloutSource {
           mem.finish = "done";
           break;
         }
-        obs_ids = observation_tokens(step.observation, true);
+        obs_ids = observation_tokens(step.observation, true, cfg_.env.max_observation_tokens);
         // A turn cut by max_tokens has no end-of-turn token: the template's one closes it (context).
-        if (cut && !step.observation.tokens) obs_ids.insert(obs_ids.begin(), im_end_);
+        if (obs_ids && cut && !step.observation.tokens) obs_ids->insert(obs_ids->begin(), im_end_);
       } catch (const EnvFailed& e) {
         fail_env(e);
         co_return r;
       }
-      if (static_cast<std::int64_t>(obs_ids.size()) > cfg_.env.max_observation_tokens) {
+      if (!obs_ids || static_cast<std::int64_t>(obs_ids->size()) > cfg_.env.max_observation_tokens) {
         r.truncation = "observation";
         break;
       }
-      if (static_cast<std::int64_t>(context.size() + obs_ids.size()) >= gen.context_len ||
-          used + static_cast<std::int64_t>(turn.ids.size() + obs_ids.size()) >= episode_budget) {
+      if (static_cast<std::int64_t>(context.size() + obs_ids->size()) >= gen.context_len ||
+          used + static_cast<std::int64_t>(turn.ids.size() + obs_ids->size()) >= episode_budget) {
         r.truncation = "context";
         break;
       }
-      for (auto id : obs_ids) {
+      for (auto id : *obs_ids) {
         mem.ids.push_back(static_cast<std::int32_t>(id));
         mem.logprobs.push_back(0.0f);
         mem.mask.push_back(0);
@@ -322,20 +320,22 @@ class EpisodeSource final : public RolloutSource {
     co_return r;
   }
 
-  // The tokens of an observation (validated against the vocabulary).
-  std::vector<std::int64_t> observation_tokens(const Observation& obs, bool continuation) const {
+  // The tokens of an observation (validated against the vocabulary), or nullopt when it has more
+  // than `limit` tokens; messages far over it are refused by their size, not tokenized.
+  std::optional<std::vector<std::int64_t>> observation_tokens(const Observation& obs, bool continuation, std::int64_t limit) const {
     if (obs.tokens) {
       for (auto id : obs.token_ids)
         if (id < 0 || id >= vocab_)
           throw EnvFailed(EnvFailure::kInvalid, "env: observation token id " + std::to_string(id) + " is outside the vocabulary");
+      if (static_cast<std::int64_t>(obs.token_ids.size()) > limit) return std::nullopt;
       return obs.token_ids;
     }
-    // Bounded before tokenizing: a huge observation is refused by its size, not tokenized.
     std::size_t bytes = 0;
     for (const auto& m : obs.messages) bytes += m.content.size();
-    if (static_cast<std::int64_t>(bytes) > cfg_.env.max_observation_tokens * 64 + 4096)
-      return std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.env.max_observation_tokens + 1), 0);  // too long
-    return render_env_turn(tokenizer_, obs.messages, continuation);
+    if (static_cast<std::int64_t>(bytes) > limit * 64 + 4096) return std::nullopt;
+    auto ids = render_env_turn(tokenizer_, obs.messages, continuation);
+    if (static_cast<std::int64_t>(ids.size()) > limit) return std::nullopt;
+    return ids;
   }
 
   const TrainConfig& cfg_;
