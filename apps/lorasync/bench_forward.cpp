@@ -27,7 +27,7 @@
 #include "core/model/device_kernels.h"
 #include "core/model/lora.h"
 #include "core/model/perf.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "engine/sampler.h"
 #include "util/bench_report.h"
@@ -80,7 +80,7 @@ double copy_gb_per_s(c10::Device device) {
 
 // The same decode steps replayed from CUDA graphs (model/decode_graphs.h) on a copy of the cache
 // (plus the padding rows' scratch slot), against the eager steps timed just before.
-void bench_decode_graphs(BenchReporter& rep, const model::Qwen2Model& m, model::ContiguousKvCache& cache, std::int64_t b,
+void bench_decode_graphs(BenchReporter& rep, const model::DecoderModel& m, model::ContiguousKvCache& cache, std::int64_t b,
                          std::int64_t cap, std::vector<std::int64_t> pos, std::int64_t steps, int repeats,
                          std::optional<double> eager_tps, nlohmann::json cfg) {
   const auto& c = m.config();
@@ -183,10 +183,10 @@ int run(const BenchForwardOptions& o) {
   at::NoGradGuard ng;
   for (const auto& pname : split(o.presets, ',')) {
     const std::string preset(trim(pname));
-    auto cfg = model::Qwen2Config::preset(preset);
+    auto cfg = model::ModelConfig::preset(preset);
     LS_LOG_INFO("bench", "forward: building random {} model ({:.1f}M params)", preset,
                 static_cast<double>(cfg.n_params()) / 1e6);
-    auto m = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, 0, dtype), dtype, device);
+    auto m = model::DecoderModel::from_named(cfg, model::random_weights(cfg, 0, dtype), dtype, device);
     // Rank-8 all-linear adapters with random A and B (B is zero at init: a real one is not).
     std::vector<model::LoraAdapter> adapters;
     for (int a = 0; a < o.adapters; ++a) {
@@ -394,7 +394,9 @@ int run(const BenchForwardOptions& o) {
 void register_bench_forward(CLI::App& bench, Registry& reg) {
   auto o = std::make_shared<BenchForwardOptions>();
   auto* sub = bench.add_subcommand("forward", "prefill and decode throughput of a model shape");
-  sub->add_option("--presets", o->presets, "comma list: tiny,small,qwen2.5-1.5b-shape")->capture_default_str();
+  sub->add_option("--presets", o->presets,
+                  "comma list: tiny,small,qwen2.5-1.5b-shape,qwen3-tiny,qwen3-shape,llama3-tiny,llama3-shape")
+      ->capture_default_str();
   sub->add_option("--prompt-tokens", o->prompt_tokens, "tokens per prefill prompt")->capture_default_str();
   sub->add_option("--prefill-batch", o->prefill_batch, "prompts per prefill batch")->capture_default_str();
   sub->add_option("--decode-batches", o->decode_batches, "decode batch sizes")->capture_default_str();

@@ -9,7 +9,7 @@
 #include "commands.h"
 #include "core/model/cpu_kernels.h"
 #include "core/model/perf.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 #include "core/model/runtime.h"
 #include "util/bench_report.h"
 #include "util/strings.h"
@@ -30,7 +30,7 @@ struct BenchGemmOptions {
 int run(const BenchGemmOptions& o) {
   model::set_compute_threads(o.threads);
   auto device = model::parse_device(o.device);
-  auto cfg = model::Qwen2Config::preset(o.preset);
+  auto cfg = model::ModelConfig::preset(o.preset);
   BenchReporter rep;
   for (const auto& name : split(o.dtypes, ',')) {
     auto dtype = model::parse_dtype(std::string(trim(name)), device, "--dtypes");

@@ -24,7 +24,7 @@
 #include "commands.h"
 #include "core/io/checkpoint_dir.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "engine/adapter_store.h"
 #include "model_options.h"
 #include "server/api_server.h"
@@ -236,7 +236,7 @@ int run(const BenchServeOptions& o) {
   TempDir tmp("lorasync-bench-serve");
   std::string model_dir = o.model;
   if (model_dir.empty()) {
-    auto cfg = model::Qwen2Config::preset("tiny");
+    auto cfg = model::ModelConfig::preset("tiny");
     auto tok = default_tokenizer_dir();
     if (tok.empty()) throw_invalid("no --model given and ../shared/data/qwen2-tokenizer not found");
     auto w = model::random_weights(cfg, 0, at::kFloat, 0.1);
@@ -264,7 +264,7 @@ int run(const BenchServeOptions& o) {
   server::ApiServer srv(so);
   srv.start();
   const auto port = srv.port();
-  auto cfg = model::Qwen2Config::load(model_dir);
+  auto cfg = model::ModelConfig::load(model_dir);
   // Five adapter versions (rank 8, all-linear), published with manifests.
   for (int v = 1; v <= 5; ++v) {
     model::LoraConfig lc;

@@ -29,7 +29,7 @@
 #include "core/io/adapter_manifest.h"
 #include "core/io/checkpoint_dir.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "http/blocking_client.h"
 #include "model_options.h"
 #include "proxy/proxy.h"
@@ -110,7 +110,7 @@ class LaggingMirror {
 };
 
 fs::path make_model(const fs::path& dir, const std::string& preset) {
-  auto cfg = model::Qwen2Config::preset(preset);
+  auto cfg = model::ModelConfig::preset(preset);
   auto tok = default_tokenizer_dir();
   if (tok.empty()) throw_invalid("bench sync needs the Qwen2 tokenizer (../shared/data/qwen2-tokenizer)");
   // bf16 on disk and in the replicas: only the adapter's shapes matter here, not compute speed.
@@ -168,7 +168,7 @@ int run(const BenchSyncOptions& o) {
   px.start();
   http::BlockingClient client("http://127.0.0.1:" + std::to_string(px.port()));
 
-  auto cfg = model::Qwen2Config::preset(o.preset);
+  auto cfg = model::ModelConfig::preset(o.preset);
   rl::AdapterPublisher pub(adapters, "policy", "base", "");
   model::LoraConfig lc;
   lc.rank = o.rank;

@@ -23,7 +23,7 @@
 #include "commands.h"
 #include "core/io/checkpoint_dir.h"
 #include "core/model/perf.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "rl/grpo_loss.h"
 #include "rl/optimizer.h"
@@ -98,7 +98,7 @@ void reset_peak_rss() {
 }
 
 // Writes the model (Hugging Face layout) and the rows for bench/train_baseline.py.
-void write_baseline_inputs(const fs::path& dir, const model::Qwen2Config& cfg, const model::NamedTensors& weights,
+void write_baseline_inputs(const fs::path& dir, const model::ModelConfig& cfg, const model::NamedTensors& weights,
                            const TrainRows& rows, double denominator) {
   std::vector<io::TensorToWrite> ts;
   std::vector<at::Tensor> keep;
@@ -165,7 +165,7 @@ int run(const BenchTrainOptions& o) {
   if (o.baseline != "none" && (o.device != "cpu" || (o.dtype != "auto" && model::parse_dtype(o.dtype, at::kCPU, "--dtype") != at::kFloat)))
     throw_invalid("--baseline pytorch runs on the CPU in float32: use --device cpu and --dtype auto or float32");
   if (o.baseline != "none") baseline_malloc_env(o.baseline_malloc);  // the name is checked before the long set-up
-  auto cfg = model::Qwen2Config::preset(o.preset);
+  auto cfg = model::ModelConfig::preset(o.preset);
 
   // The samples (prompt of --prompt-tokens, completion in [1, --max-completion]) and their rows.
   std::mt19937 rng(3);
@@ -201,7 +201,7 @@ int run(const BenchTrainOptions& o) {
   const double peak = model::gemm_peak_gflops(dtype, device);
   LS_LOG_INFO("bench", "train: building random {} model ({}, {})", o.preset, model::dtype_name(dtype), o.device);
   auto weights = model::random_weights(cfg, 0, dtype);
-  auto m = model::Qwen2Model::from_named(cfg, weights, dtype, device);
+  auto m = model::DecoderModel::from_named(cfg, weights, dtype, device);
   model::LoraConfig lc;
   lc.rank = o.rank;
   lc.alpha = 2.0 * static_cast<double>(o.rank);

@@ -229,6 +229,7 @@ struct DemoOptions {
   std::int64_t eval_samples = 2;
   std::int64_t seed = 1;
   std::int64_t model_steps = 0;
+  std::string arch = "qwen2";  // the base model's family
   double lr = 5e-4;
   std::int64_t max_staleness = 2;  // SFT steps of the base model (0 = make-demo-model's default)
   std::string device = "cpu";      // replicas and trainer: cpu or cuda[:N] (fp32 either way)
@@ -263,7 +264,8 @@ int run_demo(const DemoOptions& o) {
     cache = xdg && *xdg ? fs::path(xdg) / "lorasync" : fs::path(home ? home : ".") / ".cache" / "lorasync";
   }
   const fs::path base = cache / ("demo-model-v2-seed" + std::to_string(o.seed) +
-                                 (o.model_steps > 0 ? "-sft" + std::to_string(o.model_steps) : std::string()));
+                                 (o.model_steps > 0 ? "-sft" + std::to_string(o.model_steps) : std::string()) +
+                                 (o.arch != "qwen2" ? "-" + o.arch : std::string()));
   const fs::path run = fs::absolute(o.run_dir);
   if (!o.resume && fs::exists(run)) fs::remove_all(run);
   fs::create_directories(run / "logs");
@@ -276,6 +278,7 @@ int run_demo(const DemoOptions& o) {
     fs::create_directories(cache);
     std::vector<std::string> margs = {exe, "make-demo-model", "--out", base.string(), "--seed", std::to_string(o.seed)};
     if (o.model_steps > 0) margs.insert(margs.end(), {"--steps", std::to_string(o.model_steps)});
+    margs.insert(margs.end(), {"--arch", o.arch});
     run_step("make-demo-model", margs, logs);
     model_s = now_s() - t0;
     say(fmt::format("      done in {:.0f} s", model_s));
@@ -532,6 +535,9 @@ void register_demo(CLI::App& root, Registry& reg) {
                   "quality bar: mean reward of the last 10 steps minus the first 10 (exit 3 when below)")
       ->capture_default_str();
   sub->add_option("--model-steps", o->model_steps, "SFT steps of the base model (0 = default; tests use fewer)")
+      ->capture_default_str();
+  sub->add_option("--arch", o->arch, "the tiny base model's family: qwen2 | qwen3 | llama3 (docs/models.md)")
+      ->check(CLI::IsMember({"qwen2", "qwen3", "llama3"}))
       ->capture_default_str();
   reg.add(sub, [o]() {
     try {

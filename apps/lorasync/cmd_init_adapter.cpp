@@ -9,7 +9,7 @@
 
 #include "commands.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 #include "engine/adapter_store.h"
 #include "util/error.h"
 #include "util/files.h"
@@ -29,7 +29,7 @@ struct InitAdapterOptions {
 };
 
 int run(const InitAdapterOptions& o) {
-  auto cfg = model::Qwen2Config::load(o.model);
+  auto cfg = model::ModelConfig::load(o.model);
   model::LoraConfig lc;
   lc.rank = o.rank;
   lc.alpha = o.alpha;

@@ -9,7 +9,7 @@
 
 #include "commands.h"
 #include "core/io/checkpoint_dir.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "model_options.h"
 #include "util/error.h"
@@ -27,6 +27,7 @@ namespace fs = std::filesystem;
 struct InitModelOptions {
   std::string preset = "tiny";
   std::string config_file;
+  std::string arch;  // "" = the preset's or config's family
   std::string output;
   std::string tokenizer;  // "" = shipped Qwen2 tokenizer, "none" = no tokenizer files
   std::uint64_t seed = 0;
@@ -72,10 +73,11 @@ std::optional<std::int64_t> special_id(const nlohmann::json& cfg, const char* ke
 }
 
 int run(const InitModelOptions& o) {
-  model::Qwen2Config cfg =
+  model::ModelConfig cfg =
       o.config_file.empty()
-          ? model::Qwen2Config::preset(o.preset)
-          : model::Qwen2Config::from_json(read_file(o.config_file), o.config_file);
+          ? model::ModelConfig::preset(o.preset)
+          : model::ModelConfig::from_json(read_file(o.config_file), o.config_file);
+  if (!o.arch.empty()) cfg = cfg.as_family(model::parse_family(o.arch));
   if (o.vocab_size > 0) cfg.vocab_size = o.vocab_size;
   if (!o.dtype.empty()) {
     auto dt = model::parse_dtype(o.dtype, c10::Device(c10::kCPU), "--dtype");
@@ -161,7 +163,13 @@ int run(const InitModelOptions& o) {
 void register_init_model(CLI::App& root, Registry& reg) {
   auto o = std::make_shared<InitModelOptions>();
   auto* sub = root.add_subcommand("init-model", "write a random model in Hugging Face format");
-  sub->add_option("--preset", o->preset, "tiny | small (~100M) | qwen2.5-1.5b-shape")->capture_default_str();
+  sub->add_option("--preset", o->preset,
+                  "tiny | small (~100M) | qwen2.5-1.5b-shape | qwen3-tiny | qwen3-1.7b-shape | llama3-tiny | "
+                  "llama3.2-1b-shape")
+      ->capture_default_str();
+  sub->add_option("--arch", o->arch,
+                  "qwen2 | qwen3 | llama3: the preset's (or config's) shape as that family (qwen3: q/k norms, no "
+                  "biases; llama3: no biases, Llama 3 RoPE)");
   sub->add_option("--config", o->config_file, "a config.json to use instead of a preset");
   sub->add_option("--output", o->output, "output directory")->required();
   sub->add_option("--tokenizer", o->tokenizer,

@@ -80,6 +80,9 @@ void register_make_demo_model(CLI::App& root, Registry& reg) {
   g->add_option("--layers", d.num_layers, "decoder layers")->capture_default_str();
   g->add_option("--heads", d.num_heads, "query heads")->capture_default_str();
   g->add_option("--kv-heads", d.num_kv_heads, "KV heads")->capture_default_str();
+  g->add_option("--arch", d.arch, "model family: qwen2 | qwen3 (q/k norms, no biases) | llama3 (no biases, Llama 3 RoPE)")
+      ->check(CLI::IsMember({"qwen2", "qwen3", "llama3"}))
+      ->capture_default_str();
   g->add_option("--init-std", d.init_std, "std of the random initial weights")
       ->capture_default_str();
   g->add_option("--max-new-tokens", d.max_new_tokens, "generation cap of the evaluation")

@@ -21,7 +21,7 @@ LoadedModel load_model(const ModelOptions& o) {
   auto device = model::parse_device(o.device);
   auto dtype = model::parse_dtype(o.dtype, device, "--dtype");
   LoadedModel out;
-  out.model = model::Qwen2Model::load(o.model_dir, dtype, device);
+  out.model = model::DecoderModel::load(o.model_dir, dtype, device);
   if (!o.adapter_dir.empty())
     out.adapter = std::make_unique<model::LoraAdapter>(
         model::LoraAdapter::load_peft(o.adapter_dir, out.model->config(), device));

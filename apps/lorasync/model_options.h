@@ -8,7 +8,7 @@
 #include <string>
 
 #include "core/model/lora.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 
 namespace lorasync::cli {
 
@@ -23,7 +23,7 @@ struct ModelOptions {
 void add_model_options(CLI::App* app, ModelOptions& o, bool with_adapter = true);
 
 struct LoadedModel {
-  std::unique_ptr<model::Qwen2Model> model;
+  std::unique_ptr<model::DecoderModel> model;
   std::unique_ptr<model::LoraAdapter> adapter;  // null without --adapter
 };
 

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/io/checkpoint_dir.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/tokenizer/bpe_trainer.h"
 #include "core/tokenizer/chat_template.h"
 #include "core/tokenizer/tokenizer.h"
@@ -81,7 +81,7 @@ std::vector<SftExample> sft_examples(const tok::Tokenizer& tk, const std::vector
   return out;
 }
 
-void write_model_dir(const fs::path& dir, const model::Qwen2Model& m, const tok::TrainedBpe& bpe) {
+void write_model_dir(const fs::path& dir, const model::DecoderModel& m, const tok::TrainedBpe& bpe) {
   fs::create_directories(dir);
   std::vector<io::TensorToWrite> ts;
   std::vector<at::Tensor> keep;
@@ -142,7 +142,7 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
   log(fmt::format("tokenizer: {} ids ({} merges)", bpe.vocab_size, bpe.n_merges));
 
   // 3. Model + SFT.
-  model::Qwen2Config cfg;
+  model::ModelConfig cfg;
   cfg.vocab_size = tk.vocab_size();
   cfg.hidden_size = o.hidden_size;
   cfg.intermediate_size = o.intermediate_size;
@@ -157,11 +157,12 @@ DemoModelResult make_demo_model(const DemoModelOptions& o,
   cfg.torch_dtype = "float32";
   cfg.bos_token_id.reset();
   cfg.eos_token_ids = {*eos};
+  if (o.arch != "qwen2") cfg = cfg.as_family(model::parse_family(o.arch));
   cfg.validate("demo model");
   res.n_params = cfg.n_params();
   at::manual_seed(o.seed);
   auto model =
-      model::Qwen2Model::from_named(cfg, model::random_weights(cfg, o.seed, at::kFloat, o.init_std),
+      model::DecoderModel::from_named(cfg, model::random_weights(cfg, o.seed, at::kFloat, o.init_std),
                                     at::kFloat, c10::Device(c10::kCPU), "demo model");
   auto data = sft_examples(tk, train, o.system_prompt, *eos);
   std::int64_t n_prompt = 0, n_completion = 0;

@@ -53,6 +53,7 @@ struct DemoModelOptions {
   std::int64_t num_layers = 2;
   std::int64_t num_heads = 4;  // query heads of hidden_size / num_heads
   std::int64_t num_kv_heads = 2;
+  std::string arch = "qwen2";  // model family: qwen2 | qwen3 | llama3 (ModelConfig::as_family)
   double init_std = 0.05;  // std of the random weight matrices (0.02 learns ~3x slower)
   SftOptions sft;          // steps, batch, learning rate (seed = seed)
 };

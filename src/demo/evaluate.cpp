@@ -20,7 +20,7 @@ std::vector<std::int64_t> prompt_ids(const tok::Tokenizer& tokenizer,
   return {ids.begin(), ids.end()};
 }
 
-BatchGeneration generate_batch(const model::Qwen2Model& model,
+BatchGeneration generate_batch(const model::DecoderModel& model,
                                const std::vector<std::vector<std::int64_t>>& prompts,
                                std::int64_t max_new_tokens, double temperature, std::uint64_t seed,
                                const std::vector<std::int64_t>& stop_ids) {
@@ -82,7 +82,7 @@ BatchGeneration generate_batch(const model::Qwen2Model& model,
   return out;
 }
 
-EvalResult evaluate(const model::Qwen2Model& model, const tok::Tokenizer& tokenizer,
+EvalResult evaluate(const model::DecoderModel& model, const tok::Tokenizer& tokenizer,
                     const std::vector<TaskRow>& rows, const EvalOptions& o) {
   std::vector<std::int64_t> stops = o.stop_ids;
   if (stops.empty()) {

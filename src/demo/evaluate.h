@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/tokenizer/tokenizer.h"
 #include "demo/task.h"
 
@@ -42,7 +42,7 @@ struct EvalResult {
   std::vector<bool> correct;             // verdict per row
 };
 
-EvalResult evaluate(const model::Qwen2Model& model, const tok::Tokenizer& tokenizer,
+EvalResult evaluate(const model::DecoderModel& model, const tok::Tokenizer& tokenizer,
                     const std::vector<TaskRow>& rows, const EvalOptions& options);
 
 // The trainer's chatml prompt of one problem, tokenized (special tokens parsed).
@@ -55,7 +55,7 @@ struct BatchGeneration {
   std::vector<std::vector<std::int64_t>> ids;
   std::vector<bool> stopped;
 };
-BatchGeneration generate_batch(const model::Qwen2Model& model,
+BatchGeneration generate_batch(const model::DecoderModel& model,
                                const std::vector<std::vector<std::int64_t>>& prompts,
                                std::int64_t max_new_tokens, double temperature, std::uint64_t seed,
                                const std::vector<std::int64_t>& stop_ids);

@@ -39,7 +39,7 @@ double lr_at(const SftOptions& o, std::int64_t step) {  // step is 1-based
 // Switches requires_grad on the model's weights for the lifetime of the guard.
 class TrainableWeights {
  public:
-  explicit TrainableWeights(const model::Qwen2Model& m) {
+  explicit TrainableWeights(const model::DecoderModel& m) {
     for (auto& [name, t] : m.named_weights()) {
       t.requires_grad_(true);
       (t.dim() >= 2 && name.find("norm") == std::string::npos ? decayed_ : plain_).push_back(t);
@@ -63,7 +63,7 @@ class TrainableWeights {
 
 }  // namespace
 
-SftResult train_sft(model::Qwen2Model& model, const std::vector<SftExample>& data,
+SftResult train_sft(model::DecoderModel& model, const std::vector<SftExample>& data,
                     const SftOptions& o, const std::function<void(const SftProgress&)>& on_step) {
   if (data.empty()) throw_invalid("SFT needs at least one example");
   if (o.steps <= 0) throw_invalid("SFT steps must be positive, got {}", o.steps);
@@ -129,7 +129,7 @@ SftResult train_sft(model::Qwen2Model& model, const std::vector<SftExample>& dat
   return res;
 }
 
-double sft_loss(const model::Qwen2Model& model, const std::vector<SftExample>& data,
+double sft_loss(const model::DecoderModel& model, const std::vector<SftExample>& data,
                 std::int64_t batch_size) {
   if (data.empty()) throw_invalid("sft_loss needs at least one example");
   at::NoGradGuard ng;

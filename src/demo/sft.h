@@ -16,7 +16,7 @@
 #include <functional>
 #include <vector>
 
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 
 namespace lorasync::demo {
 
@@ -56,12 +56,12 @@ struct SftResult {
 };
 
 // InvalidInput for an empty data set or non-positive steps/batch size.
-SftResult train_sft(model::Qwen2Model& model, const std::vector<SftExample>& data,
+SftResult train_sft(model::DecoderModel& model, const std::vector<SftExample>& data,
                     const SftOptions& options,
                     const std::function<void(const SftProgress&)>& on_step = {});
 
 // Token-mean loss of `data` under the model, without gradients (batches of batch_size).
-double sft_loss(const model::Qwen2Model& model, const std::vector<SftExample>& data,
+double sft_loss(const model::DecoderModel& model, const std::vector<SftExample>& data,
                 std::int64_t batch_size = 64);
 
 }  // namespace lorasync::demo

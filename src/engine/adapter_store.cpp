@@ -28,7 +28,7 @@ using io::parse_adapter_manifest;
 
 // The largest adapter_model.safetensors a valid adapter of rank <= max_rank can have (8-byte
 // values, every module targeted) plus room for the header.
-std::uint64_t max_adapter_weights_bytes(const model::Qwen2Config& base, std::int64_t max_rank) {
+std::uint64_t max_adapter_weights_bytes(const model::ModelConfig& base, std::int64_t max_rank) {
   const std::uint64_t r = static_cast<std::uint64_t>(max_rank > 0 ? max_rank : 256);
   std::uint64_t per_layer = 0;
   for (int m = 0; m < model::kNumLoraModules; ++m) {
@@ -150,7 +150,7 @@ void check_base(const AdapterManifest& m, const AdapterLoadPolicy& policy, const
 // safetensors image read from that path may still be arriving (NotFound); "": InvalidInput.
 LoadedAdapter build_adapter(const std::string& name, const std::string& path, const std::string& sha256,
                             std::string_view config, std::string_view weights, const AdapterLoadPolicy& policy,
-                            const model::Qwen2Config& base, c10::Device device, const std::string& lagging_path) {
+                            const model::ModelConfig& base, c10::Device device, const std::string& lagging_path) {
   LoadedAdapter out;
   out.name = name;
   out.path = path;
@@ -178,7 +178,7 @@ LoadedAdapter build_adapter(const std::string& name, const std::string& path, co
 }  // namespace
 
 LoadedAdapter read_adapter(const std::string& name, const std::string& path, const AdapterLoadPolicy& policy,
-                           const model::Qwen2Config& base, c10::Device device) {
+                           const model::ModelConfig& base, c10::Device device) {
   if (path.empty()) invalid("lora_path must not be empty");
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                                std::chrono::duration<double>(policy.deadline_s));
@@ -257,7 +257,7 @@ LoadedAdapter read_adapter(const std::string& name, const std::string& path, con
 }
 
 LoadedAdapter adapter_from_bundle(const io::AdapterBundle& b, const AdapterLoadPolicy& policy,
-                                  const model::Qwen2Config& base, c10::Device device) {
+                                  const model::ModelConfig& base, c10::Device device) {
   if (b.adapter_sha256.empty()) invalid("the push bundle was not verified");
   const std::string shown = "pushed adapter " + b.lora_name;
   check_base(b.manifest, policy, shown);

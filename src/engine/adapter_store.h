@@ -31,7 +31,7 @@
 
 #include "core/io/adapter_manifest.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 
 namespace lorasync::engine {
 
@@ -54,13 +54,13 @@ struct AdapterLoadPolicy {
 
 // The largest adapter_model.safetensors a valid adapter of rank <= max_rank (0: 256) can have for
 // `base`, plus room for its header: the cap on a file read and on a push.
-std::uint64_t max_adapter_weights_bytes(const model::Qwen2Config& base, std::int64_t max_rank);
+std::uint64_t max_adapter_weights_bytes(const model::ModelConfig& base, std::int64_t max_rank);
 
 // Steps 1-4 above.
 LoadedAdapter read_adapter(const std::string& name, const std::string& path, const AdapterLoadPolicy& policy,
-                           const model::Qwen2Config& base, c10::Device device);
+                           const model::ModelConfig& base, c10::Device device);
 inline LoadedAdapter read_adapter(const std::string& name, const std::string& path,
-                                  const std::vector<std::string>& allowed_roots, const model::Qwen2Config& base,
+                                  const std::vector<std::string>& allowed_roots, const model::ModelConfig& base,
                                   std::int64_t max_rank, c10::Device device) {
   AdapterLoadPolicy p;
   p.allowed_roots = allowed_roots;
@@ -72,7 +72,7 @@ inline LoadedAdapter read_adapter(const std::string& name, const std::string& pa
 // NotFound (nothing of an upload is still arriving), the weights capped like a file read.
 // `path` of the result: the bundle's lora_path, else "push:<name>".
 LoadedAdapter adapter_from_bundle(const io::AdapterBundle& bundle, const AdapterLoadPolicy& policy,
-                                  const model::Qwen2Config& base, c10::Device device);
+                                  const model::ModelConfig& base, c10::Device device);
 
 // Writes manifest.json for a directory holding PEFT files (the publisher's last step), durably.
 // Returns adapter_sha256.

@@ -31,7 +31,7 @@ void Histogram::observe(double v) {
 
 // ---- public API ----------------------------------------------------------------------------
 
-Engine::Engine(std::shared_ptr<const model::Qwen2Model> m, std::shared_ptr<const tok::Tokenizer> t,
+Engine::Engine(std::shared_ptr<const model::DecoderModel> m, std::shared_ptr<const tok::Tokenizer> t,
                EngineOptions opts)
     : opts_(std::move(opts)) {
   const auto& cfg = m->config();

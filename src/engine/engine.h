@@ -38,7 +38,7 @@
 #include "engine/request.h"
 
 namespace lorasync::model {
-class Qwen2Model;
+class DecoderModel;
 }
 namespace lorasync::tok {
 class Tokenizer;
@@ -136,7 +136,7 @@ struct EngineStats {
 
 class Engine {
  public:
-  Engine(std::shared_ptr<const model::Qwen2Model> model,
+  Engine(std::shared_ptr<const model::DecoderModel> model,
          std::shared_ptr<const tok::Tokenizer> tokenizer, EngineOptions opts);
   ~Engine();  // aborts everything and joins the thread
   Engine(const Engine&) = delete;

@@ -17,7 +17,7 @@
 #include <unordered_map>
 #include <unordered_set>
 #include "core/model/decode_graphs.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/tokenizer/tokenizer.h"
 #include "engine/block_manager.h"
 #include "engine/sampler.h"
@@ -93,11 +93,11 @@ using detail::Slot;
 using detail::kLatencySamples;
 
 struct Engine::Impl {
-  Impl(std::shared_ptr<const model::Qwen2Model> m, std::shared_ptr<const tok::Tokenizer> t,
+  Impl(std::shared_ptr<const model::DecoderModel> m, std::shared_ptr<const tok::Tokenizer> t,
        const EngineOptions& o)
       : model(std::move(m)), tokenizer(std::move(t)), opts(o) {}
 
-  std::shared_ptr<const model::Qwen2Model> model;
+  std::shared_ptr<const model::DecoderModel> model;
   std::shared_ptr<const tok::Tokenizer> tokenizer;
   EngineOptions opts;
   std::unique_ptr<model::KvPool> pool;

@@ -8,7 +8,7 @@
 #include <unordered_set>
 
 #include "core/model/cpu_kernels.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 
 namespace lorasync::engine {
 

@@ -336,6 +336,10 @@ void TrainConfig::validate() const {
     throw_invalid("generation.temperature must be > 0 (got {}): GRPO samples from the policy", generation.temperature);
   if (!env.command.empty()) {
     if (env.command[0].empty()) throw_invalid("env.command must name a program (a list: [\"python3\", \"env.py\"])");
+    if (data.prompt_format == "llama3")
+      throw_invalid(
+          "env.command with data.prompt_format = \"llama3\": episodes render environment turns in ChatML "
+          "(Qwen2, Qwen3) so far; Llama 3's header format is not supported in episodes yet");
     if (env.workers < 1) throw_invalid("env.workers must be at least 1, got {}", env.workers);
     if (!(env.timeout_s > 0)) throw_invalid("env.timeout_s must be positive, got {}", env.timeout_s);
     if (!(env.startup_s >= 0)) throw_invalid("env.startup_s must be >= 0, got {}", env.startup_s);

@@ -114,7 +114,13 @@ Row parse_row(std::string_view line_text, std::int64_t line, const std::string& 
 std::string render_prompt(const std::string& problem, const DatasetOptions& opt) {
   if (opt.prompt_format == "chatml") return tok::chatml_prompt(opt.system_prompt, problem);
   if (opt.prompt_format == "raw") return problem;
-  throw_invalid("{} = {:?} is not one of chatml, raw", opt.prompt_format_setting, opt.prompt_format);
+  if (opt.prompt_format == "qwen3" || opt.prompt_format == "llama3") {
+    std::vector<tok::ChatMessage> msgs;
+    if (!opt.system_prompt.empty()) msgs.push_back({"system", opt.system_prompt});
+    msgs.push_back({"user", problem});
+    return tok::render_chat(tok::parse_chat_format(opt.prompt_format, opt.prompt_format_setting), msgs);
+  }
+  throw_invalid("{} = {:?} is not one of chatml, qwen3, llama3, raw", opt.prompt_format_setting, opt.prompt_format);
 }
 
 Dataset index_dataset(std::int64_t n) {
@@ -128,7 +134,7 @@ Dataset index_dataset(std::int64_t n) {
 
 Dataset load_dataset(const std::filesystem::path& jsonl, const tok::Tokenizer& tokenizer,
                      const DatasetOptions& opt) {
-  if (opt.prompt_format != "chatml" && opt.prompt_format != "raw") render_prompt("", opt);  // throws
+  render_prompt("", opt);  // an unknown format throws here, before the file is read
   if (opt.max_prompt_tokens < 1)
     throw_invalid("{} must be at least 1, got {}", opt.max_prompt_tokens_setting,
                   opt.max_prompt_tokens);

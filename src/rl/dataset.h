@@ -13,7 +13,9 @@
 // index, so indices are stable whatever the token limit.
 //
 // Prompt (`chatml`): <|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n
-// <|im_start|>assistant\n (no system turn when the system prompt is empty); `raw`: the problem alone.
+// <|im_start|>assistant\n (no system turn when the system prompt is empty); `qwen3` and `llama3`: the
+// same two messages in Qwen3's or Llama 3's chat format (core/tokenizer/chat_template.h; Llama 3's
+// begins with <|begin_of_text|>); `raw`: the problem alone.
 // Tokenized with special tokens matched as single ids and no BOS (add_special_tokens = false).
 //
 // Thread-safety: pure functions; the tokenizer is only read.
@@ -30,7 +32,7 @@ namespace lorasync::rl {
 
 struct DatasetOptions {
   std::string problem_key = "problem", answer_key = "answer";  // JSON field names
-  std::string prompt_format = "chatml";  // "chatml" | "raw"
+  std::string prompt_format = "chatml";  // "chatml" | "qwen3" | "llama3" | "raw"
   std::string system_prompt = "Please reason step by step, and put your final answer within \\boxed{}.";
   std::int64_t max_prompt_tokens = 1024;  // longer prompts are skipped (counted)
   // How error messages name the settings at fault: the trainer's config keys by default; a CLI

@@ -57,7 +57,7 @@ int run_dp_worker(const TrainArgs& /*args: rank 0 resolves the configuration*/, 
     const c10::Device device = prepare_training_device(cfg, env.local_rank);
     dist->use_device(device);
     const auto dtype = model::parse_dtype(cfg.model.dtype, device, "model.dtype");
-    auto model = model::Qwen2Model::load(cfg.model.path, dtype, device);
+    auto model = model::DecoderModel::load(cfg.model.path, dtype, device);
     check_row_fits(cfg, model->config(), model->dtype(), device, me);  // its own device's memory
     LS_LOG_INFO("trainer", "{}: model {} loaded ({}, {})", me, cfg.model.path, model::dtype_name(dtype), device.str());
 

@@ -17,7 +17,7 @@ using PackedSample = model::LogprobItem;  // prompt + completion token ids
 using RowOutput = model::PackedLogprobs;  // logprobs (with grad), entropy, offsets
 
 // adapter may be null (the base model: the KL reference).
-inline RowOutput packed_row_logprobs(const model::Qwen2Model& model, const model::LoraAdapter* adapter,
+inline RowOutput packed_row_logprobs(const model::DecoderModel& model, const model::LoraAdapter* adapter,
                                      const std::vector<PackedSample>& samples, double temperature,
                                      std::int64_t logits_chunk = 2048, bool checkpoint_layers = false) {
   return model::packed_logprobs(model, adapter, samples, temperature, logits_chunk, /*with_entropy=*/true,

@@ -246,7 +246,7 @@ InitState decode_init(const std::string& bytes, const std::string& label) {
   return s;
 }
 
-double sample_flops(const StepSample& s, const model::Qwen2Config& c) {
+double sample_flops(const StepSample& s, const model::ModelConfig& c) {
   const double P = static_cast<double>(c.num_hidden_layers) *
                    static_cast<double>(c.hidden_size * c.q_dim() * 2 + 2 * c.hidden_size * c.num_key_value_heads * c.head_dim +
                                        3 * c.hidden_size * c.intermediate_size);
@@ -255,7 +255,7 @@ double sample_flops(const StepSample& s, const model::Qwen2Config& c) {
          4.0 * static_cast<double>(c.hidden_size) * static_cast<double>(c.vocab_size) * static_cast<double>(s.completion.size());
 }
 
-std::vector<int> assign_ranks(const std::vector<StepSample>& samples, int world, const model::Qwen2Config& c) {
+std::vector<int> assign_ranks(const std::vector<StepSample>& samples, int world, const model::ModelConfig& c) {
   std::vector<int> owner(samples.size(), 0);
   if (world <= 1) return owner;
   std::vector<double> cost(samples.size());
@@ -317,7 +317,7 @@ c10::Device prepare_training_device(const TrainConfig& cfg, int local_rank) {
   return device;
 }
 
-void check_row_fits(const TrainConfig& cfg, const model::Qwen2Config& mc, c10::ScalarType dtype, c10::Device device,
+void check_row_fits(const TrainConfig& cfg, const model::ModelConfig& mc, c10::ScalarType dtype, c10::Device device,
                     const std::string& where) {
   const auto& b = cfg.batching;
   const std::int64_t avail = model::available_memory_bytes(device);

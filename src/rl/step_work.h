@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "core/model/lora.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "rl/config.h"
 #include "rl/dist.h"
 #include "rl/grpo_loss.h"
@@ -82,11 +82,11 @@ InitState decode_init(const std::string& bytes, const std::string& label);
 
 // A sample's forward+backward FLOPs (trainer.md §6): 4 P L + 6 n_layers d_attn L^2, plus the LM
 // head over its completion, 4 d V C.
-double sample_flops(const StepSample& s, const model::Qwen2Config& cfg);
+double sample_flops(const StepSample& s, const model::ModelConfig& cfg);
 
 // Samples to ranks: longest-processing-time first by the FLOPs of trainer.md §6 (ties: lower
 // rank), deterministic. Every rank gets at least one sample when there are as many as ranks.
-std::vector<int> assign_ranks(const std::vector<StepSample>& samples, int world, const model::Qwen2Config& cfg);
+std::vector<int> assign_ranks(const std::vector<StepSample>& samples, int world, const model::ModelConfig& cfg);
 std::vector<std::size_t> samples_of(const std::vector<int>& owner, int rank);
 // The rows a rank packs its samples into (packing.h over `mine`, in order).
 PackPlan plan_share(const std::vector<StepSample>& samples, const std::vector<std::size_t>& mine, std::int64_t row_tokens);
@@ -102,11 +102,11 @@ c10::Device prepare_training_device(const TrainConfig& cfg, int local_rank);
 // model::training_row_bytes of batching.row_tokens against model::available_memory_bytes, with
 // the row length that fits and, without checkpointing, what checkpointing would need. `where`
 // names the process ("rank 1") in the message.
-void check_row_fits(const TrainConfig& cfg, const model::Qwen2Config& mc, c10::ScalarType dtype, c10::Device device,
+void check_row_fits(const TrainConfig& cfg, const model::ModelConfig& mc, c10::ScalarType dtype, c10::Device device,
                     const std::string& where);
 
 struct StepContext {
-  const model::Qwen2Model& model;
+  const model::DecoderModel& model;
   model::LoraAdapter& adapter;                                   // gets gradients
   const std::map<std::int64_t, model::LoraAdapter>& versions;   // snapshots for recompute
   LossConfig loss;

@@ -3,6 +3,8 @@
 #include "rl/trainer_impl.h"
 #include "rl/server_caps.h"
 
+#include "core/tokenizer/chat_template.h"
+
 namespace lorasync::rl {
 
 std::atomic<int> g_stop_signal{0};
@@ -108,7 +110,7 @@ void Trainer::load_model_and_data() {
   const fs::path mp = cfg_.model.path;
   if (!fs::exists(mp / "config.json")) refuse("model.path " + mp.string() + ": no config.json (expected a local Hugging Face directory)");
   tokenizer_ = tok::Tokenizer::load(mp);
-  model_ = model::Qwen2Model::load(mp, dtype, device_);
+  model_ = model::DecoderModel::load(mp, dtype, device_);
   base_sha_ = io::model_identity_sha256(mp);
   try {
     check_row_fits(cfg_, model_->config(), model_->dtype(), device_, "");
@@ -131,12 +133,14 @@ void Trainer::load_model_and_data() {
   if (data_.problems.empty()) refuse("data.train_file " + cfg_.data.train_file + ": no usable problems");
   if (data_.skipped_long > 0)
     LS_LOG_WARN("trainer", "{} prompts longer than data.max_prompt_tokens = {} were skipped", data_.skipped_long, cfg_.data.max_prompt_tokens);
-  // Stop tokens: configured, else the model's EOS ids plus <|im_end|> for chatml.
+  // Stop tokens: configured, else the model's EOS ids plus the chat format's end of turn
+  // (<|im_end|> for chatml and qwen3, <|eot_id|> for llama3).
   stop_ids_ = cfg_.generation.stop_token_ids;
   if (stop_ids_.empty()) {
     for (auto id : model_->config().eos_token_ids) stop_ids_.push_back(id);
-    if (cfg_.data.prompt_format == "chatml")
-      if (auto id = tokenizer_->token_to_id("<|im_end|>")) stop_ids_.push_back(*id);
+    if (cfg_.data.prompt_format != "raw")
+      for (std::string_view s : tok::chat_stop_tokens(tok::parse_chat_format(cfg_.data.prompt_format, "data.prompt_format")))
+        if (auto id = tokenizer_->token_to_id(s)) stop_ids_.push_back(*id);
     std::sort(stop_ids_.begin(), stop_ids_.end());
     stop_ids_.erase(std::unique(stop_ids_.begin(), stop_ids_.end()), stop_ids_.end());
   }

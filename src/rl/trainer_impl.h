@@ -24,7 +24,7 @@
 #include "core/io/adapter_manifest.h"
 #include "core/io/checkpoint_dir.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "core/tokenizer/tokenizer.h"
 #include "http/blocking_client.h"
@@ -198,7 +198,7 @@ class Trainer {
   TrainArgs args_;
   TrainConfig cfg_;
   fs::path out_, ckpt_dir_, adapters_dir_;
-  std::unique_ptr<model::Qwen2Model> model_;
+  std::unique_ptr<model::DecoderModel> model_;
   std::optional<tok::Tokenizer> tokenizer_;
   Dataset data_;
   c10::Device device_{c10::kCPU};

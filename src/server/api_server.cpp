@@ -24,7 +24,7 @@
 
 #include "core/io/checkpoint_dir.h"
 #include "core/model/cpu_kernels.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "core/tokenizer/tokenizer.h"
 #include "core/io/adapter_manifest.h"
@@ -133,8 +133,9 @@ std::string string_field(const json& j, const char* key) {
 
 struct ApiServer::Impl {
   ServeOptions opt;
-  std::shared_ptr<const model::Qwen2Model> model;
+  std::shared_ptr<const model::DecoderModel> model;
   std::shared_ptr<const tok::Tokenizer> tokenizer;
+  tok::ChatFormat chat_format = tok::ChatFormat::kChatml;  // the tokenizer_config.json's chat_template
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<http::Server> http;
   std::unique_ptr<BlockingPool> blocking;
@@ -290,14 +291,15 @@ Task<void> ApiServer::Impl::completions(http::Request& req, http::ResponseWriter
   const std::string route = chat ? "/v1/chat/completions" : "/v1/completions";
   ParsedCompletion pc;
   if (req.body.size() <= kInlineParseBytes) {
-    pc = chat ? parse_chat(req.body, *tokenizer) : parse_completion(req.body, *tokenizer);
+    pc = chat ? parse_chat(req.body, *tokenizer, chat_format) : parse_completion(req.body, *tokenizer);
   } else {
     // Tokenizing megabytes takes long enough to starve this io thread's other connections
     // (health probes included): parse on the blocking pool.
     const std::string* body = &req.body;
     const tok::Tokenizer* tk = tokenizer.get();
-    std::function<ParsedCompletion()> job = [body, tk, chat] {
-      return chat ? parse_chat(*body, *tk) : parse_completion(*body, *tk);
+    const tok::ChatFormat cf = chat_format;
+    std::function<ParsedCompletion()> job = [body, tk, chat, cf] {
+      return chat ? parse_chat(*body, *tk, cf) : parse_completion(*body, *tk);
     };
     auto pending = start_offload<ParsedCompletion>(*blocking, co_await net::this_coro::executor, std::move(job));
     pc = co_await finish_offload(pending);
@@ -441,7 +443,7 @@ Task<void> ApiServer::Impl::handle(http::Request& req, http::ResponseWriter& w) 
       auto j = parse_body(req.body);
       std::vector<std::int32_t> ids;
       if (j.contains("messages")) {
-        ids = parse_chat(req.body, *tokenizer).prompts.at(0);
+        ids = parse_chat(req.body, *tokenizer, chat_format).prompts.at(0);
       } else {
         tok::EncodeOptions eo;
         eo.parse_special = true;
@@ -598,9 +600,15 @@ ApiServer::ApiServer(ServeOptions o) : impl_(std::make_unique<Impl>()) {
   model::set_compute_threads(I.opt.threads);
   auto device = model::parse_device(I.opt.device);
   auto dtype = model::parse_dtype(I.opt.dtype, device, "--dtype");
-  I.model = model::Qwen2Model::load(I.opt.model_dir, dtype, device);
+  I.model = model::DecoderModel::load(I.opt.model_dir, dtype, device);
   I.tokenizer = std::make_shared<const tok::Tokenizer>(
       tok::Tokenizer::load(I.opt.tokenizer.empty() ? I.opt.model_dir : I.opt.tokenizer));
+  {
+    const std::string tdir = I.opt.tokenizer.empty() ? I.opt.model_dir : I.opt.tokenizer;
+    I.chat_format = tok::chat_format_of_dir(std::filesystem::is_directory(tdir)
+                                                ? tdir
+                                                : std::filesystem::path(tdir).parent_path().string());
+  }
   I.base_sha256 = io::model_identity_sha256(I.opt.model_dir);
   engine::EngineOptions eo;
   eo.served_model_name = I.served_name;

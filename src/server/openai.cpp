@@ -223,7 +223,7 @@ ParsedCompletion parse_completion(std::string_view body, const tok::Tokenizer& t
   return r;
 }
 
-ParsedCompletion parse_chat(std::string_view body, const tok::Tokenizer& tokenizer) {
+ParsedCompletion parse_chat(std::string_view body, const tok::Tokenizer& tokenizer, tok::ChatFormat format) {
   json j = parse_object(body);
   ParsedCompletion r;
   r.chat = true;
@@ -255,11 +255,19 @@ ParsedCompletion parse_chat(std::string_view body, const tok::Tokenizer& tokeniz
     }
     msgs.push_back({rs, std::move(text)});
   }
-  std::string prompt = tok::render_chatml(msgs, true);
+  tok::ChatOptions co;
+  if (const json* kw = field(j, "chat_template_kwargs")) {
+    if (!kw->is_object()) bad("chat_template_kwargs", "chat_template_kwargs must be an object");
+    if (const json* th = field(*kw, "enable_thinking")) {
+      if (!th->is_boolean()) bad("chat_template_kwargs", "chat_template_kwargs.enable_thinking must be a boolean");
+      co.enable_thinking = th->get<bool>();
+    }
+  }
+  std::string prompt = tok::render_chat(format, msgs, co);
   tok::EncodeOptions eo;
   eo.parse_special = true;
   r.prompts.push_back(tokenizer.encode(prompt, eo));
-  for (const char* s : {"<|im_end|>", "<|endoftext|>"})
+  for (std::string_view s : tok::chat_stop_tokens(format))
     if (auto id = tokenizer.token_to_id(s)) r.params.stop_token_ids.push_back(*id);
   return r;
 }

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/tokenizer/chat_template.h"
 #include "engine/request.h"
 
 namespace lorasync::tok {
@@ -36,9 +37,13 @@ struct ParsedCompletion {
 
 // Parses a /v1/completions body. Text prompts are tokenized (special tokens parsed, no BOS).
 ParsedCompletion parse_completion(std::string_view body, const tok::Tokenizer& tokenizer);
-// Parses a /v1/chat/completions body: messages rendered with the ChatML template, generation
-// prompt added; <|im_end|> and <|endoftext|> stop by default.
-ParsedCompletion parse_chat(std::string_view body, const tok::Tokenizer& tokenizer);
+// Parses a /v1/chat/completions body: messages rendered with the model's chat format (ChatML,
+// Qwen3's or Llama 3's: core/tokenizer/chat_template.h), generation prompt added; the format's
+// end-of-turn tokens stop by default (<|im_end|> and <|endoftext|>; <|eot_id|>, <|end_of_text|>,
+// <|eom_id|>). `chat_template_kwargs: {"enable_thinking": false}` (vLLM's field) pre-fills an empty
+// <think> block for Qwen3.
+ParsedCompletion parse_chat(std::string_view body, const tok::Tokenizer& tokenizer,
+                            tok::ChatFormat format = tok::ChatFormat::kChatml);
 
 // Provenance block (http-api.md "lorasync").
 struct Provenance {

@@ -21,8 +21,8 @@
 #include <thread>
 
 #include "core/io/checkpoint_dir.h"
-#include "core/model/qwen2_config.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/model_config.h"
+#include "core/model/decoder_model.h"
 #include "completion_check.h"
 #include "server/api_server.h"
 #include "util/files.h"
@@ -38,7 +38,7 @@ using nlohmann::json;
 fs::path write_tiny_model(const fs::path& dir) {
   const fs::path out = dir / "tiny";
   fs::create_directories(out);
-  const auto cfg = model::Qwen2Config::preset("tiny");
+  const auto cfg = model::ModelConfig::preset("tiny");
   auto weights = model::random_weights(cfg, 3, at::kFloat, 0.1);
   std::vector<io::TensorToWrite> ts;
   std::vector<at::Tensor> keep;
@@ -57,7 +57,7 @@ fs::path write_tiny_model(const fs::path& dir) {
 }
 
 std::string write_adapter(const fs::path& dir, const std::string& name, std::uint64_t seed) {
-  return testing::write_test_adapter(dir, name, seed, model::Qwen2Config::preset("tiny"));
+  return testing::write_test_adapter(dir, name, seed, model::ModelConfig::preset("tiny"));
 }
 
 server::ServeOptions tiny_options(const fs::path& model) {

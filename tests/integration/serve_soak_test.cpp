@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "completion_check.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 #include "test_adapters.h"
 #include "util/child_process.h"
 #include "util/files.h"
@@ -36,7 +36,7 @@ TEST(ServeSoak, ConcurrentClientsWithAdapterChurn) {
   auto model = dir.path() / "tiny";
   auto r = testing::run_lorasync("init-model --preset tiny --output " + testing::shell_quote(model.string()));
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  auto cfg = model::Qwen2Config::load(model);
+  auto cfg = model::ModelConfig::load(model);
   auto make = [&](const std::string& name, std::uint64_t seed) { return testing::write_test_adapter(dir.path(), name, seed, cfg); };
   testing::ChildProcess srv({LORASYNC_BINARY, "serve", "--model", model.string(), "--served-model-name", "tiny",
                              "--port", "0", "--kv-cache-memory", "8MiB", "--max-model-len", "384",

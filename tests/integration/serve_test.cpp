@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "core/model/lora.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 #include "engine/adapter_store.h"
 #include "util/child_process.h"
 #include "util/files.h"
@@ -49,7 +49,7 @@ struct Fixture {
 
   // A PEFT adapter (non-zero B) published with a manifest, like the trainer does.
   fs::path make_adapter(const std::string& name, std::uint64_t seed, std::int64_t rank = 2, bool manifest = true) {
-    auto cfg = model::Qwen2Config::load(model);
+    auto cfg = model::ModelConfig::load(model);
     model::LoraConfig lc;
     lc.rank = rank;
     lc.alpha = 2.0 * static_cast<double>(rank);

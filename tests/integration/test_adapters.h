@@ -10,14 +10,14 @@
 #include <string>
 
 #include "core/model/lora.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 #include "engine/adapter_store.h"
 
 namespace lorasync::testing {
 
 // Writes dir/name (rank 4, alpha 8, all linear layers of `base`) and returns its path.
 inline std::string write_test_adapter(const std::filesystem::path& dir, const std::string& name, std::uint64_t seed,
-                                      const model::Qwen2Config& base, const std::string& base_name = "tiny") {
+                                      const model::ModelConfig& base, const std::string& base_name = "tiny") {
   model::LoraConfig lc;
   lc.rank = 4;
   lc.alpha = 8;

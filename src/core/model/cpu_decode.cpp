@@ -1,5 +1,5 @@
-// Small steps on our CPU kernels (qwen2_model.h, set_cpu_fast_paths): the same layer maths as
-// Qwen2Model::forward, with the small per-token steps fused into single loops, q/k/v and gate/up
+// Small steps on our CPU kernels (decoder_model.h, set_cpu_fast_paths): the same layer maths as
+// DecoderModel::forward, with the small per-token steps fused into single loops, q/k/v and gate/up
 // each computed in one pass over their weights, decode rows' attention reading the paged KV cache
 // in place (a mixed step's prefill chunks use our blocked causal kernel), and LoRA deltas with
 // the maths of LoraBatch::apply on our kernels (project: folded into the projections for decode-sized
@@ -17,7 +17,7 @@
 #endif
 
 #include "core/model/cpu_kernels.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "util/error.h"
 
 namespace lorasync::model {
@@ -246,7 +246,7 @@ at::Tensor empty_cpu_huge_pages(at::IntArrayRef shape, c10::ScalarType dtype) {
 bool set_cpu_fast_paths(bool on) { return g_fast.exchange(on); }
 bool cpu_fast_paths() { return g_fast.load(std::memory_order_relaxed); }
 
-bool Qwen2Model::cpu_decode_applies(const Batch& batch, const KvPool* kv, const AttnMeta* meta) const {
+bool DecoderModel::cpu_decode_applies(const Batch& batch, const KvPool* kv, const AttnMeta* meta) const {
   if (!cpu_fast_paths() || kv == nullptr || meta == nullptr) return false;
   if (!device_.is_cpu() || dtype_ != at::kFloat || c10::GradMode::is_enabled()) return false;
   const auto T = batch.n_tokens();
@@ -266,7 +266,7 @@ bool Qwen2Model::cpu_decode_applies(const Batch& batch, const KvPool* kv, const 
   return true;
 }
 
-at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* lora, KvPool& kv,
+at::Tensor DecoderModel::forward_cpu_decode(const Batch& batch, const LoraBatch* lora, KvPool& kv,
                                           const AttnMeta& meta) const {
   const auto B = batch.n_tokens();  // rows (tokens) of the batch
   const auto d = cfg_.hidden_size, I = cfg_.intermediate_size, V = cfg_.vocab_size;
@@ -341,8 +341,13 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
     const auto li = static_cast<std::int64_t>(l);
     cpu::rms_norm(h.data_ptr<float>(), Ly.input_norm.data_ptr<float>(), eps, B, d, x.data_ptr<float>());
     auto q = at::empty({B, qd}, f32), k = at::empty({B, kvd}, f32), v = at::empty({B, kvd}, f32);
-    project(x, {{&Ly.q_w, &Ly.q_b, &q}, {&Ly.k_w, &Ly.k_b, &k}, {&Ly.v_w, &Ly.v_b, &v}}, lp, li,
+    auto bias = [](const at::Tensor& b) { return b.defined() ? &b : nullptr; };
+    project(x, {{&Ly.q_w, bias(Ly.q_b), &q}, {&Ly.k_w, bias(Ly.k_b), &k}, {&Ly.v_w, bias(Ly.v_b), &v}}, lp, li,
             {{&q, LoraModule::kQ}, {&k, LoraModule::kK}, {&v, LoraModule::kV}});
+    if (cfg_.qk_norm) {  // each head's row of head_dim, in place (the kernel reads a row before writing it)
+      cpu::rms_norm(q.data_ptr<float>(), Ly.q_norm.data_ptr<float>(), eps, B * nh, hd, q.data_ptr<float>());
+      cpu::rms_norm(k.data_ptr<float>(), Ly.k_norm.data_ptr<float>(), eps, B * nkv, hd, k.data_ptr<float>());
+    }
     cpu::rope(q.data_ptr<float>(), B, qd, nh, hd, pos, inv_freq);
     cpu::rope(k.data_ptr<float>(), B, kvd, nkv, hd, pos, inv_freq);
     float* kp = kv.k[l].data_ptr<float>();
@@ -409,7 +414,7 @@ at::Tensor Qwen2Model::forward_cpu_decode(const Batch& batch, const LoraBatch* l
   return out;
 }
 
-at::Tensor Qwen2Model::logits(const at::Tensor& hidden) const {
+at::Tensor DecoderModel::logits(const at::Tensor& hidden) const {
   const auto& w = lm_head_weight();
   if (cpu_fast_paths() && fp32_cpu_contiguous(w) && hidden.dim() == 2 && hidden.device().is_cpu() &&
       hidden.scalar_type() == at::kFloat && hidden.size(0) <= kKernelMaxRows &&

@@ -11,7 +11,7 @@
 #include <optional>
 
 #include "core/model/device_kernels.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -44,7 +44,7 @@ std::vector<int> padded_lora_tiles(const std::vector<std::vector<std::int64_t>>&
   return t;
 }
 
-DecodeGraphs::DecodeGraphs(const Qwen2Model& model, KvPool& pool, Options options)
+DecodeGraphs::DecodeGraphs(const DecoderModel& model, KvPool& pool, Options options)
     : model_(model), pool_(pool), opts_(std::move(options)) {
   auto& bk = opts_.buckets;
   if (bk.empty()) throw_invalid("decode graphs: no batch-size buckets");

@@ -41,7 +41,7 @@
 
 namespace lorasync::model {
 
-class Qwen2Model;
+class DecoderModel;
 
 namespace cuda {
 struct Graph;
@@ -82,7 +82,7 @@ class DecodeGraphs {
   };
 
   // `model` and `pool` must outlive this object. Invalid options are named in the error.
-  DecodeGraphs(const Qwen2Model& model, KvPool& pool, Options options);
+  DecodeGraphs(const DecoderModel& model, KvPool& pool, Options options);
   ~DecodeGraphs();
   DecodeGraphs(const DecodeGraphs&) = delete;
   DecodeGraphs& operator=(const DecodeGraphs&) = delete;
@@ -107,7 +107,7 @@ class DecodeGraphs {
   void fill(Bucket& b, const DecodeStep& step, std::int64_t lmax);
   void forward_into(Bucket& b, std::int64_t lmax_eager, const DecodeStep* step);
 
-  const Qwen2Model& model_;
+  const DecoderModel& model_;
   KvPool& pool_;
   Options opts_;
   bool capture_ = false;

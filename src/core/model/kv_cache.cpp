@@ -8,7 +8,7 @@
 
 namespace lorasync::model {
 
-KvPool KvPool::allocate(const Qwen2Config& cfg, std::int64_t n_slots, c10::ScalarType dtype,
+KvPool KvPool::allocate(const ModelConfig& cfg, std::int64_t n_slots, c10::ScalarType dtype,
                         c10::Device device) {
   KvPool p;
   auto opts = at::TensorOptions().dtype(dtype).device(device);
@@ -19,11 +19,11 @@ KvPool KvPool::allocate(const Qwen2Config& cfg, std::int64_t n_slots, c10::Scala
   return p;
 }
 
-std::int64_t KvPool::bytes_per_slot(const Qwen2Config& cfg, c10::ScalarType dtype) {
+std::int64_t KvPool::bytes_per_slot(const ModelConfig& cfg, c10::ScalarType dtype) {
   return 2 * cfg.num_hidden_layers * cfg.kv_dim() * static_cast<std::int64_t>(c10::elementSize(dtype));
 }
 
-ContiguousKvCache::ContiguousKvCache(const Qwen2Config& cfg, std::int64_t n_seqs,
+ContiguousKvCache::ContiguousKvCache(const ModelConfig& cfg, std::int64_t n_seqs,
                                      std::int64_t capacity, c10::ScalarType dtype,
                                      c10::Device device)
     : pool_(KvPool::allocate(cfg, n_seqs * capacity, dtype, device)),

@@ -14,17 +14,17 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 
 namespace lorasync::model {
 
 struct KvPool {
   std::vector<at::Tensor> k, v;  // per layer: [n_slots, n_kv_heads, head_dim]
-  static KvPool allocate(const Qwen2Config& cfg, std::int64_t n_slots, c10::ScalarType dtype,
+  static KvPool allocate(const ModelConfig& cfg, std::int64_t n_slots, c10::ScalarType dtype,
                          c10::Device device);
   std::int64_t n_slots() const { return k.empty() ? 0 : k[0].size(0); }
   // Bytes per token position over all layers (K and V).
-  static std::int64_t bytes_per_slot(const Qwen2Config& cfg, c10::ScalarType dtype);
+  static std::int64_t bytes_per_slot(const ModelConfig& cfg, c10::ScalarType dtype);
 };
 
 // One contiguous run of new tokens of one sequence in a flat batch.
@@ -47,7 +47,7 @@ struct AttnMeta {
 // A simple cache for a fixed set of sequences, each owning `capacity` consecutive slots.
 class ContiguousKvCache {
  public:
-  ContiguousKvCache(const Qwen2Config& cfg, std::int64_t n_seqs, std::int64_t capacity,
+  ContiguousKvCache(const ModelConfig& cfg, std::int64_t n_seqs, std::int64_t capacity,
                     c10::ScalarType dtype, c10::Device device);
   KvPool& pool() { return pool_; }
   std::int64_t length(std::int64_t seq) const { return lengths_.at(static_cast<std::size_t>(seq)); }

@@ -15,7 +15,7 @@ void check_token_ids(const std::vector<std::int64_t>& ids, std::int64_t vocab, c
       throw_invalid("{}[{}] = {} is outside the vocabulary [0, {})", what, i, ids[i], vocab);
 }
 
-PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapter,
+PackedLogprobs packed_logprobs(const DecoderModel& model, const LoraAdapter* adapter,
                                const std::vector<LogprobItem>& items, double temperature,
                                std::int64_t chunk, bool with_entropy, bool checkpoint_layers) {
   if (!(temperature > 0)) throw_invalid("temperature must be positive, got {}", temperature);
@@ -60,7 +60,7 @@ PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapt
   return out;
 }
 
-std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
+std::vector<std::vector<float>> completion_logprobs(const DecoderModel& model,
                                                     const LoraAdapter* adapter,
                                                     const std::vector<LogprobItem>& items,
                                                     double temperature, std::int64_t chunk) {
@@ -74,7 +74,7 @@ std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
   return out;
 }
 
-GenerateResult generate(const Qwen2Model& model, const LoraAdapter* adapter,
+GenerateResult generate(const DecoderModel& model, const LoraAdapter* adapter,
                         const std::vector<std::int64_t>& prompt, const GenerateOptions& opt) {
   if (prompt.empty()) throw_invalid("prompt must hold at least one token");
   check_token_ids(prompt, model.config().vocab_size, "prompt");

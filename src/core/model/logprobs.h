@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 
 namespace lorasync::model {
 
@@ -31,13 +31,13 @@ struct PackedLogprobs {
   at::Tensor entropy;                 // [sum T_i] entropy of softmax(z / T), no grad; only with_entropy
   std::vector<std::int64_t> offsets;  // item i's tokens are [offsets[i], offsets[i+1])
 };
-PackedLogprobs packed_logprobs(const Qwen2Model& model, const LoraAdapter* adapter,
+PackedLogprobs packed_logprobs(const DecoderModel& model, const LoraAdapter* adapter,
                                const std::vector<LogprobItem>& items, double temperature,
                                std::int64_t chunk = 2048, bool with_entropy = false,
                                bool checkpoint_layers = false);
 
 // packed_logprobs without gradients, as plain numbers per item.
-std::vector<std::vector<float>> completion_logprobs(const Qwen2Model& model,
+std::vector<std::vector<float>> completion_logprobs(const DecoderModel& model,
                                                     const LoraAdapter* adapter,
                                                     const std::vector<LogprobItem>& items,
                                                     double temperature, std::int64_t chunk = 2048);
@@ -56,7 +56,7 @@ struct GenerateResult {
 };
 
 // Prefill + incremental decode with a KV cache, one sequence.
-GenerateResult generate(const Qwen2Model& model, const LoraAdapter* adapter,
+GenerateResult generate(const DecoderModel& model, const LoraAdapter* adapter,
                         const std::vector<std::int64_t>& prompt, const GenerateOptions& opt);
 
 // Validates ids against the vocabulary; InvalidInput naming `what`, the index and the value.

@@ -31,7 +31,7 @@ std::string peft_key(std::int64_t layer, LoraModule m, char ab) {
 
 }  // namespace
 
-LoraAdapter LoraAdapter::init(const LoraConfig& cfg, const Qwen2Config& model, std::uint64_t seed,
+LoraAdapter LoraAdapter::init(const LoraConfig& cfg, const ModelConfig& model, std::uint64_t seed,
                               c10::Device device) {
   if (cfg.rank <= 0) throw_invalid("LoRA rank must be positive, got {}", cfg.rank);
   LoraAdapter a;
@@ -126,7 +126,7 @@ void LoraAdapter::save_peft(const std::filesystem::path& dir, bool atomic) const
   else write_file_durable(dir / "adapter_config.json", cfg_.to_peft_json());
 }
 
-LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const Qwen2Config& model,
+LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const ModelConfig& model,
                                    c10::Device device, std::int64_t max_rank) {
   auto cfg_path = dir / "adapter_config.json";
   const std::string cfg = read_file(cfg_path);
@@ -136,7 +136,7 @@ LoraAdapter LoraAdapter::load_peft(const std::filesystem::path& dir, const Qwen2
 }
 
 LoraAdapter LoraAdapter::from_peft(std::string_view config_json, std::span<const std::uint8_t> safetensors,
-                                   const std::string& label, const Qwen2Config& model, c10::Device device,
+                                   const std::string& label, const ModelConfig& model, c10::Device device,
                                    std::int64_t max_rank) {
   auto st = io::SafetensorsFile::from_bytes(safetensors, label + "/adapter_model.safetensors");
   return from_parts(config_json, label + "/adapter_config.json", *st, label + "/adapter_model.safetensors",
@@ -145,7 +145,7 @@ LoraAdapter LoraAdapter::from_peft(std::string_view config_json, std::span<const
 
 LoraAdapter LoraAdapter::from_parts(std::string_view config_json, const std::string& cfg_label,
                                     const io::SafetensorsFile& st, const std::string& st_label,
-                                    const std::string& dir_label, const Qwen2Config& model, c10::Device device,
+                                    const std::string& dir_label, const ModelConfig& model, c10::Device device,
                                     std::int64_t max_rank) {
   LoraAdapter a;
   a.cfg_ = LoraConfig::from_peft_json(std::string(config_json), cfg_label);

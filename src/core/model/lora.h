@@ -35,7 +35,7 @@ class SafetensorsFile;
 }
 
 #include "core/model/lora_config.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 
 namespace lorasync::model {
 
@@ -44,14 +44,14 @@ class LoraAdapter {
   LoraAdapter() = default;
 
   // A fresh adapter: A Kaiming-uniform (seeded, generated on CPU so every device agrees), B zero.
-  static LoraAdapter init(const LoraConfig& cfg, const Qwen2Config& model, std::uint64_t seed,
+  static LoraAdapter init(const LoraConfig& cfg, const ModelConfig& model, std::uint64_t seed,
                           c10::Device device);
   // Loads a PEFT directory, validated against `model`. max_rank > 0 refuses larger ranks.
-  static LoraAdapter load_peft(const std::filesystem::path& dir, const Qwen2Config& model,
+  static LoraAdapter load_peft(const std::filesystem::path& dir, const ModelConfig& model,
                                c10::Device device, std::int64_t max_rank = 0);
   // The same from bytes already read (and hashed) by the caller; `label` names them in errors.
   static LoraAdapter from_peft(std::string_view config_json, std::span<const std::uint8_t> safetensors,
-                               const std::string& label, const Qwen2Config& model, c10::Device device,
+                               const std::string& label, const ModelConfig& model, c10::Device device,
                                std::int64_t max_rank = 0);
   // Writes adapter_config.json + adapter_model.safetensors (fp32). atomic=false writes in place
   // with fsync (for a staging directory that is renamed afterwards).
@@ -74,7 +74,7 @@ class LoraAdapter {
  private:
   static LoraAdapter from_parts(std::string_view config_json, const std::string& cfg_label,
                                 const io::SafetensorsFile& st, const std::string& st_label,
-                                const std::string& dir_label, const Qwen2Config& model, c10::Device device,
+                                const std::string& dir_label, const ModelConfig& model, c10::Device device,
                                 std::int64_t max_rank);
   LoraConfig cfg_;
   std::vector<std::array<at::Tensor, kNumLoraModules>> a_, b_;

@@ -24,7 +24,7 @@ std::optional<LoraModule> parse_lora_module(std::string_view name) {
   return std::nullopt;
 }
 
-std::pair<std::int64_t, std::int64_t> lora_module_shape(const Qwen2Config& c, LoraModule m) {
+std::pair<std::int64_t, std::int64_t> lora_module_shape(const ModelConfig& c, LoraModule m) {
   const auto d = c.hidden_size;
   switch (m) {
     case LoraModule::kQ: return {d, c.q_dim()};

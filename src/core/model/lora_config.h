@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 
 namespace lorasync::model {
 
@@ -24,7 +24,7 @@ inline constexpr int kNumLoraModules = 7;
 std::string_view lora_module_name(LoraModule m);  // "q_proj", ...
 std::optional<LoraModule> parse_lora_module(std::string_view name);
 // (in_features, out_features) of a module for a model configuration.
-std::pair<std::int64_t, std::int64_t> lora_module_shape(const Qwen2Config& c, LoraModule m);
+std::pair<std::int64_t, std::int64_t> lora_module_shape(const ModelConfig& c, LoraModule m);
 
 struct LoraConfig {
   std::int64_t rank = 1;                 // r

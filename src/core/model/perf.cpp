@@ -36,7 +36,7 @@ void reset_peak_device_memory(c10::Device device) {
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
 }
 
-std::int64_t training_row_bytes(const Qwen2Config& c, c10::ScalarType dtype, std::int64_t tokens,
+std::int64_t training_row_bytes(const ModelConfig& c, c10::ScalarType dtype, std::int64_t tokens,
                                 std::int64_t logits_chunk, bool checkpointing) {
   const double b = static_cast<double>(c10::elementSize(dtype));
   const double d = static_cast<double>(c.hidden_size), q = static_cast<double>(c.q_dim()),
@@ -133,7 +133,7 @@ double gemm_peak_gflops(c10::ScalarType dtype, c10::Device device, double min_se
   return best;
 }
 
-double forward_flops(const Qwen2Config& c, double tokens, double context, double lm_head_rows) {
+double forward_flops(const ModelConfig& c, double tokens, double context, double lm_head_rows) {
   const double linear = 2.0 * static_cast<double>(c.n_linear_params()) * tokens;
   // QK^T and PV: 2 * 2 * d_attn per (query, key) pair, per layer.
   const double attn = 4.0 * static_cast<double>(c.num_hidden_layers) * static_cast<double>(c.q_dim()) *

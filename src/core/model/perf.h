@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 
 namespace lorasync::model {
 
@@ -28,7 +28,7 @@ double gemm_peak_gflops(c10::ScalarType dtype, c10::Device device, double min_se
 
 // Forward FLOPs of `tokens` new tokens attending to `context` positions on average (causal
 // prefill of length P: context = P/2), with the LM head evaluated on `lm_head_rows` rows.
-double forward_flops(const Qwen2Config& c, double tokens, double context, double lm_head_rows);
+double forward_flops(const ModelConfig& c, double tokens, double context, double lm_head_rows);
 
 // Peak bytes allocated by libtorch's CUDA caching allocator since the last reset (0 on CPU).
 std::int64_t peak_device_memory(c10::Device device);
@@ -67,7 +67,7 @@ class CpuTensorMeter {
 // (bench train, docs/benchmarks.md): 0.429 MiB per token; this gives 0.431, and 4-11% more than
 // the measured totals (the chunk's term). Weights, the optimizer and the allocator's slack are not
 // in it.
-std::int64_t training_row_bytes(const Qwen2Config& c, c10::ScalarType dtype, std::int64_t tokens,
+std::int64_t training_row_bytes(const ModelConfig& c, c10::ScalarType dtype, std::int64_t tokens,
                                 std::int64_t logits_chunk, bool checkpointing);
 
 // Bytes a training step can still allocate on `device`: on CPU the kernel's MemAvailable, bounded

@@ -18,6 +18,10 @@ namespace {
 constexpr char kQwen2Pattern[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
     "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+// Llama 3's: Qwen2's with digit groups of up to three (\p{N}{1,3}).
+constexpr char kLlama3Pattern[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+    "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 constexpr char kGpt2Pattern[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
@@ -96,9 +100,8 @@ inline std::size_t space_run_match(std::string_view s, std::size_t i, std::size_
   return last > i ? last : e;
 }
 
-}  // namespace
-
-void scan_qwen2(std::string_view s, std::vector<Span>& out) {
+// Qwen2's pattern (max_digits 1) and Llama 3's (max_digits 3): they differ only in \p{N}.
+void scan_qwen2_like(std::string_view s, std::vector<Span>& out, int max_digits) {
   const std::size_t n = s.size();
   std::size_t i = 0;
   while (i < n) {
@@ -118,8 +121,15 @@ void scan_qwen2(std::string_view s, std::vector<Span>& out) {
         end = run_end(s, next, [](const Cp& x) { return x.cls & kL; });
       }
     }
-    // 3: \p{N}
-    if (!end && (c.cls & kN)) end = next;
+    // 3: \p{N}{1,max_digits}, greedy (nothing follows it in its alternative)
+    if (!end && (c.cls & kN)) {
+      end = next;
+      for (int k = 1; k < max_digits && end < n; ++k) {
+        const Cp d = at(s, end);
+        if (!(d.cls & kN)) break;
+        end += static_cast<std::size_t>(d.len);
+      }
+    }
     // 4: ' ?[^\s\p{L}\p{N}]+[\r\n]*'
     if (!end) {
       std::size_t j = i;
@@ -155,6 +165,11 @@ void scan_qwen2(std::string_view s, std::vector<Span>& out) {
     i = end;
   }
 }
+
+}  // namespace
+
+void scan_qwen2(std::string_view s, std::vector<Span>& out) { scan_qwen2_like(s, out, 1); }
+void scan_llama3(std::string_view s, std::vector<Span>& out) { scan_qwen2_like(s, out, 3); }
 
 void scan_gpt2(std::string_view s, std::vector<Span>& out) {
   const std::size_t n = s.size();
@@ -221,6 +236,10 @@ SplitPattern SplitPattern::regex(const std::string& pattern) {
     p.kind_ = Kind::kQwen2;
     return p;
   }
+  if (pattern == kLlama3Pattern) {
+    p.kind_ = Kind::kLlama3;
+    return p;
+  }
   if (pattern == kGpt2Pattern) {
     p.kind_ = Kind::kGpt2;
     return p;
@@ -246,6 +265,9 @@ void SplitPattern::find_matches(std::string_view s, std::vector<Span>& out) cons
   switch (kind_) {
     case Kind::kQwen2:
       scan_qwen2(s, out);
+      return;
+    case Kind::kLlama3:
+      scan_llama3(s, out);
       return;
     case Kind::kGpt2:
       scan_gpt2(s, out);

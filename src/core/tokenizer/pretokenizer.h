@@ -6,14 +6,18 @@
 // MergedWithNext: each match glued to its neighbour; Contiguous: runs of like kind); `invert`
 // swaps match and gap; empty pieces are dropped.
 //
-// Main design choice: the two regexes that matter in practice — Qwen2's and GPT-2's
+// Main design choice: the regexes that matter in practice — Qwen2's, Llama 3's and GPT-2's
 //   Qwen2: (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|
 //          \s*[\r\n]+|\s+(?!\S)|\s+
+//   Llama 3: the same with \p{N}{1,3} for \p{N}
 //   GPT-2: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 // — are recognised by their exact text and run by hand-written scanners that reproduce the
 // regex engine's leftmost-first backtracking alternative by alternative (about 10x faster than a
 // JIT regex, no allocation). The conformance test checks them against the reference on every
-// code point. Any other pattern goes through PCRE2 (UTF + UCP, JIT when available).
+// code point. Any other pattern goes through PCRE2 (UTF + UCP, JIT when available), whose
+// classes are those of the system library's Unicode version (Debian 12's PCRE2 10.42: Unicode
+// 14.0, and its \s also matches U+180E), not the reference's Unicode 16.0: letters and digits
+// added since Unicode 14 split differently there. The scanners use lorasync's Unicode 16 tables.
 // Thread-safety: SplitPattern and PreTokenizer are immutable after construction; all const
 // member functions are thread-safe.
 #pragma once
@@ -36,7 +40,7 @@ struct Span {
 
 class SplitPattern {
  public:
-  enum class Kind { kLiteral, kQwen2, kGpt2, kRegex, kAsciiDigit };
+  enum class Kind { kLiteral, kQwen2, kLlama3, kGpt2, kRegex, kAsciiDigit };
 
   // A literal string (tokenizers' {"String": ...}).
   static SplitPattern literal(std::string text);
@@ -56,8 +60,9 @@ class SplitPattern {
   std::shared_ptr<const Compiled> compiled_;  // PCRE2 code, for kRegex
 };
 
-// The scanners, exposed for tests: append the matches of the Qwen2 / GPT-2 pattern.
+// The scanners, exposed for tests: append the matches of the Qwen2 / Llama 3 / GPT-2 pattern.
 void scan_qwen2(std::string_view s, std::vector<Span>& out);
+void scan_llama3(std::string_view s, std::vector<Span>& out);
 void scan_gpt2(std::string_view s, std::vector<Span>& out);
 
 // Applies a split to s and appends the resulting non-empty pieces (views into s).

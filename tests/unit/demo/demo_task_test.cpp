@@ -5,7 +5,7 @@
 #include <set>
 
 #include "core/model/logprobs.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "core/tokenizer/bpe_trainer.h"
 #include "core/tokenizer/chat_template.h"
@@ -125,11 +125,11 @@ TEST(DemoTask, SolutionsTokenizeAndRoundTrip) {
 TEST(DemoSft, AFewStepsLowerTheLoss) {
   model::set_compute_threads(1);
   auto t = tiny_tokenizer();
-  model::Qwen2Config cfg = model::Qwen2Config::preset("tiny");
+  model::ModelConfig cfg = model::ModelConfig::preset("tiny");
   cfg.vocab_size = t.tk.vocab_size();
   cfg.eos_token_ids = {*t.tk.token_to_id("<|im_end|>")};
   cfg.bos_token_id.reset();
-  auto m = model::Qwen2Model::from_named(cfg, model::random_weights(cfg, 3, at::kFloat), at::kFloat,
+  auto m = model::DecoderModel::from_named(cfg, model::random_weights(cfg, 3, at::kFloat), at::kFloat,
                                          c10::Device(c10::kCPU));
   std::vector<SftExample> data;
   for (std::size_t i = 0; i < 64; ++i) {
@@ -197,7 +197,7 @@ TEST(DemoModel, WritesTheDirectoryAtomically) {
                         "train.jsonl", "heldout.jsonl", "demo.json"})
     EXPECT_TRUE(fs::exists(o.out / f)) << f;
   EXPECT_NE(r.demo_json.find("\"format_version\": 1"), std::string::npos);
-  auto loaded = model::Qwen2Model::load(o.out / "model", at::kFloat, c10::Device(c10::kCPU));
+  auto loaded = model::DecoderModel::load(o.out / "model", at::kFloat, c10::Device(c10::kCPU));
   auto tk = tok::Tokenizer::load(o.out / "model");
   EXPECT_EQ(loaded->config().vocab_size, tk.vocab_size());
   EXPECT_EQ(loaded->config().eos_token_ids,

@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "core/model/logprobs.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/tokenizer/tokenizer.h"
 #include "engine/adapter_store.h"
 #include "engine/engine.h"
@@ -67,16 +67,16 @@ class Collector : public RequestSink {
 };
 
 struct Env {
-  std::shared_ptr<const model::Qwen2Model> model;
+  std::shared_ptr<const model::DecoderModel> model;
   std::shared_ptr<const tok::Tokenizer> tokenizer;
-  model::Qwen2Config cfg;
+  model::ModelConfig cfg;
 };
 
 Env& env() {
   static Env* e = [] {
     auto* x = new Env;
-    x->cfg = model::Qwen2Config::preset("tiny");
-    x->model = model::Qwen2Model::from_named(x->cfg, model::random_weights(x->cfg, 5, at::kFloat, 0.1),
+    x->cfg = model::ModelConfig::preset("tiny");
+    x->model = model::DecoderModel::from_named(x->cfg, model::random_weights(x->cfg, 5, at::kFloat, 0.1),
                                              at::kFloat, at::kCPU);
     x->tokenizer = std::make_shared<const tok::Tokenizer>(
         tok::Tokenizer::load(std::string(LORASYNC_SHARED_DIR) + "/data/qwen2-tokenizer"));

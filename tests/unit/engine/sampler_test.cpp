@@ -8,7 +8,7 @@
 #include <random>
 #include <string>
 
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "engine/sampler.h"
 
 namespace lorasync::engine {

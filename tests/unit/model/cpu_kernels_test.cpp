@@ -15,7 +15,7 @@
 
 #include "core/model/cpu_kernels.h"
 #include "core/model/device_kernels.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "util/error.h"
 
@@ -411,15 +411,15 @@ TEST(CpuKernels, SoftmaxStatisticsMatchLogSoftmax) {
   });
 }
 
-Qwen2Config tiny_config() {
-  Qwen2Config c = Qwen2Config::preset("tiny");
+ModelConfig tiny_config() {
+  ModelConfig c = ModelConfig::preset("tiny");
   c.vocab_size = 1000;
   c.intermediate_size = 96;
   return c;
 }
 
 // An adapter on every linear with non-zero A and B, so that its deltas matter.
-LoraAdapter busy_adapter(const Qwen2Config& c, std::int64_t rank, std::uint64_t seed) {
+LoraAdapter busy_adapter(const ModelConfig& c, std::int64_t rank, std::uint64_t seed) {
   LoraConfig lc;
   lc.rank = rank;
   lc.alpha = 2.0 * static_cast<double>(rank);
@@ -432,8 +432,8 @@ LoraAdapter busy_adapter(const Qwen2Config& c, std::int64_t rank, std::uint64_t 
 // The model's decode step on our kernels equals its libtorch path: single and batched decode,
 // rows of two adapters and the base model in one batch, both kernel ISAs.
 TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
-  const Qwen2Config c = tiny_config();
-  auto m = Qwen2Model::from_named(c, random_weights(c, 1, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  const ModelConfig c = tiny_config();
+  auto m = DecoderModel::from_named(c, random_weights(c, 1, at::kFloat, 0.1), at::kFloat, at::kCPU);
   auto a1 = busy_adapter(c, 4, 11), a2 = busy_adapter(c, 4, 12);
   at::NoGradGuard ng;
   std::mt19937 rng(7);
@@ -494,8 +494,8 @@ TEST(CpuDecode, FastPathEqualsLibtorchPathWithMixedAdapters) {
 // adapters and base rows: equal to the libtorch path.
 TEST(CpuDecode, ManyRowStepsOnTheGemmKernelEqualTheLibtorchPath) {
   static_assert(cpu::kGemmMinRows <= 13);
-  const Qwen2Config c = tiny_config();
-  auto m = Qwen2Model::from_named(c, random_weights(c, 3, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  const ModelConfig c = tiny_config();
+  auto m = DecoderModel::from_named(c, random_weights(c, 3, at::kFloat, 0.1), at::kFloat, at::kCPU);
   auto a1 = busy_adapter(c, 4, 21), a2 = busy_adapter(c, 8, 22);
   at::NoGradGuard ng;
   constexpr int S = 20;
@@ -558,8 +558,8 @@ TEST(CpuDecode, ManyRowStepsOnTheGemmKernelEqualTheLibtorchPath) {
 // The LM head reuses its output buffer only once the caller has let go of it: a result still held
 // (or a view of it) is never overwritten by the next call.
 TEST(CpuDecode, LogitsHeldByTheCallerAreNotOverwritten) {
-  const Qwen2Config c = tiny_config();
-  auto m = Qwen2Model::from_named(c, random_weights(c, 4, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  const ModelConfig c = tiny_config();
+  auto m = DecoderModel::from_named(c, random_weights(c, 4, at::kFloat, 0.1), at::kFloat, at::kCPU);
   at::NoGradGuard ng;
   auto h1 = at::randn({16, c.hidden_size}), h2 = at::randn({16, c.hidden_size});
   auto first = m->logits(h1);
@@ -578,8 +578,8 @@ TEST(CpuDecode, LogitsHeldByTheCallerAreNotOverwritten) {
 // A mixed step (a decode row, a prefill chunk after cached tokens, a fresh prompt) with adapters
 // on some rows takes the fast path too and equals the libtorch path.
 TEST(CpuDecode, MixedStepsEqualTheLibtorchPath) {
-  const Qwen2Config c = tiny_config();
-  auto m = Qwen2Model::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  const ModelConfig c = tiny_config();
+  auto m = DecoderModel::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
   auto a1 = busy_adapter(c, 2, 3);
   at::NoGradGuard ng;
   auto run = [&](bool fast) {

@@ -12,20 +12,20 @@
 #include "core/model/device_kernels.h"
 #include "core/model/kv_cache.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "util/error.h"
 
 namespace lorasync::model {
 namespace {
 
-Qwen2Config graph_config() {
-  Qwen2Config c = Qwen2Config::preset("tiny");
+ModelConfig graph_config() {
+  ModelConfig c = ModelConfig::preset("tiny");
   c.vocab_size = 1000;
   c.intermediate_size = 96;
   return c;
 }
 
-std::shared_ptr<const LoraAdapter> adapter(const Qwen2Config& c, std::uint64_t seed) {
+std::shared_ptr<const LoraAdapter> adapter(const ModelConfig& c, std::uint64_t seed) {
   LoraConfig lc;
   lc.rank = 4;
   lc.alpha = 8;
@@ -38,7 +38,7 @@ std::shared_ptr<const LoraAdapter> adapter(const Qwen2Config& c, std::uint64_t s
 
 TEST(DecodeGraphs, EagerStepsOnTheStaticBuffersEqualThePlainForward) {
   const auto c = graph_config();
-  auto model = Qwen2Model::from_named(c, random_weights(c, 7, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto model = DecoderModel::from_named(c, random_weights(c, 7, at::kFloat, 0.1), at::kFloat, at::kCPU);
   const AdapterSet ads = {adapter(c, 1), nullptr, adapter(c, 2)};  // slot 1 empty
   std::vector<const LoraAdapter*> raw = {ads[0].get(), nullptr, ads[2].get()};
   // Five sequences with prompts of different lengths; sequence i on adapter slot slot_of[i].
@@ -125,7 +125,7 @@ TEST(DecodeGraphs, EagerStepsOnTheStaticBuffersEqualThePlainForward) {
 
 TEST(DecodeGraphs, StepsOutsideTheBucketsOrTheContextTableAreRefusedByName) {
   const auto c = graph_config();
-  auto model = Qwen2Model::from_named(c, random_weights(c, 7, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto model = DecoderModel::from_named(c, random_weights(c, 7, at::kFloat, 0.1), at::kFloat, at::kCPU);
   KvPool pool = KvPool::allocate(c, 65, at::kFloat, at::kCPU);
   DecodeGraphs::Options o;
   o.buckets = {4, 1, 2, 2};  // sorted and deduplicated

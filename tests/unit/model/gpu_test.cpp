@@ -29,7 +29,7 @@
 #include "core/model/kv_cache.h"
 #include "core/model/logprobs.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 
 namespace lorasync::model {
 namespace {
@@ -209,7 +209,7 @@ TEST(Gpu, BatchedLoraKernelMatchesThePerAdapterPath) {
   // Five adapters of the 1.5B shape's q and gate projections (ranks 8, 8, 16, 8 and 64; the fourth
   // targets attention only), rows dealt round-robin with some on the base model, in fp32 masters
   // against bf16 and fp32 activations.
-  Qwen2Config c = Qwen2Config::preset("qwen2.5-1.5b-shape");
+  ModelConfig c = ModelConfig::preset("qwen2.5-1.5b-shape");
   c.num_hidden_layers = 1;
   std::vector<LoraAdapter> ads;
   const std::vector<std::int64_t> ranks = {8, 8, 16, 8, 64};
@@ -286,7 +286,7 @@ TEST(Gpu, MixedAdapterDecodeOnCudaMatchesTheCpu) {
   // A whole model with a KV cache: prompts of three sequences on two adapters and the base model,
   // then decode steps batched (the paged decode attention and the batched LoRA kernel where the
   // build has them) against the same on the CPU.
-  Qwen2Config c = Qwen2Config::preset("tiny");
+  ModelConfig c = ModelConfig::preset("tiny");
   c.vocab_size = 2048;
   auto w = random_weights(c, 4, at::kFloat, 0.1);
   LoraConfig lc;
@@ -305,7 +305,7 @@ TEST(Gpu, MixedAdapterDecodeOnCudaMatchesTheCpu) {
   const std::vector<int> slot_of_seq = {0, -1, 1};
   at::NoGradGuard ng;
   auto run = [&](c10::Device d, at::ScalarType dt, std::vector<const LoraAdapter*> ptrs) {
-    auto m = Qwen2Model::from_named(c, w, dt, d);
+    auto m = DecoderModel::from_named(c, w, dt, d);
     ContiguousKvCache cache(c, 3, 64, dt, d);
     std::vector<int> rows;
     for (std::size_t i = 0; i < prompts.size(); ++i) rows.insert(rows.end(), prompts[i].size(), slot_of_seq[i]);
@@ -336,10 +336,10 @@ TEST(Gpu, MixedAdapterDecodeOnCudaMatchesTheCpu) {
 
 TEST(Gpu, ModelLogitsOnCudaMatchTheCpu) {
   REQUIRE_GPU();
-  Qwen2Config c = Qwen2Config::preset("tiny");
+  ModelConfig c = ModelConfig::preset("tiny");
   c.vocab_size = 2048;
   auto w = random_weights(c, 3, at::kFloat, 0.1);
-  auto cpu = Qwen2Model::from_named(c, w, at::kFloat, at::kCPU);
+  auto cpu = DecoderModel::from_named(c, w, at::kFloat, at::kCPU);
   LoraConfig lc;
   lc.rank = 4;
   lc.alpha = 8;
@@ -353,7 +353,7 @@ TEST(Gpu, ModelLogitsOnCudaMatchTheCpu) {
     auto lb = LoraBatch::all(with_lora ? &ad_cpu : nullptr);
     auto want = cpu->logits(cpu->forward(make_batch(seqs, {}, at::kCPU), &lb));
     for (auto dt : {at::kFloat, at::kBFloat16}) {
-      auto gpu = Qwen2Model::from_named(c, w, dt, at::Device(at::kCUDA, 0));
+      auto gpu = DecoderModel::from_named(c, w, dt, at::Device(at::kCUDA, 0));
       auto ad = ad_cpu.to(at::Device(at::kCUDA, 0));
       auto lg = LoraBatch::all(with_lora ? &ad : nullptr);
       auto got = gpu->logits(gpu->forward(make_batch(seqs, {}, gpu->device()), &lg));
@@ -373,7 +373,7 @@ TEST(Gpu, DecodeGraphReplaysEqualEagerStepsAndAreTimed) {
   // buffers: steps of 5, 3, 1 and 8 rows on two adapters and the base model, the logits compared
   // step by step (the graphs' first step of each bucket is its warm-up, later ones replays); then
   // a new adapter in a slot, which must need no capture.
-  Qwen2Config c = Qwen2Config::preset("tiny");
+  ModelConfig c = ModelConfig::preset("tiny");
   c.vocab_size = 2048;
   auto w = random_weights(c, 5, at::kFloat, 0.1);
   const auto dev = at::Device(at::kCUDA, 0);
@@ -382,7 +382,7 @@ TEST(Gpu, DecodeGraphReplaysEqualEagerStepsAndAreTimed) {
   lc.alpha = 8;
   lc.targets = LoraConfig::parse_targets({"all-linear"});
   for (auto dt : {at::kFloat, at::kBFloat16}) {
-    auto m = Qwen2Model::from_named(c, w, dt, dev);
+    auto m = DecoderModel::from_named(c, w, dt, dev);
     AdapterSet ads;
     for (int i = 0; i < 2; ++i) {
       auto a = LoraAdapter::init(lc, c, 60 + static_cast<std::uint64_t>(i), at::kCPU);

@@ -2,6 +2,7 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -10,7 +11,7 @@
 #include "core/io/checkpoint_dir.h"
 #include "core/model/device_kernels.h"
 #include "core/model/logprobs.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 #include "reference_qwen2.h"
 #include "util/error.h"
@@ -19,8 +20,8 @@
 namespace lorasync::model {
 namespace {
 
-Qwen2Config test_config(bool tied = false, double theta = 10000.0) {
-  Qwen2Config c = Qwen2Config::preset("tiny");
+ModelConfig test_config(bool tied = false, double theta = 10000.0) {
+  ModelConfig c = ModelConfig::preset("tiny");
   c.vocab_size = 1000;
   c.intermediate_size = 96;
   c.tie_word_embeddings = tied;
@@ -30,11 +31,11 @@ Qwen2Config test_config(bool tied = false, double theta = 10000.0) {
 
 // std 0.2 gives logits of a few units (a meaningful numeric check); the cache tests use 0.1 so
 // that fp32 GEMM reassociation (M = 1 vs M = n kernels) stays well inside their 1e-5 bar.
-std::unique_ptr<Qwen2Model> make_model(const Qwen2Config& c, NamedTensors* keep = nullptr,
+std::unique_ptr<DecoderModel> make_model(const ModelConfig& c, NamedTensors* keep = nullptr,
                                        std::uint64_t seed = 1, double std = 0.2) {
   auto w = random_weights(c, seed, at::kFloat, std);
   if (keep) *keep = w;
-  return Qwen2Model::from_named(c, w, at::kFloat, at::kCPU);
+  return DecoderModel::from_named(c, w, at::kFloat, at::kCPU);
 }
 
 // LoRA on every linear layer, alpha = 2 x rank.
@@ -199,6 +200,60 @@ TEST(Forward, CachedDecodeEqualsFullForward) {
   double diff = max_abs_diff(inc, full);
   EXPECT_LE(diff, 1e-5) << "max |cached - full| = " << diff << " (max |logit| "
                         << full.abs().max().item<double>() << ")";
+}
+
+TEST(Families, CachedDecodeOnOurKernelsEqualsTheLibtorchForwardInEveryFamily) {
+  // The cached steps run cpu_decode.cpp (q/k norms in place, biases optional); the full forward
+  // runs the libtorch path: the two implementations of each family's maths agree.
+  for (auto fam : {ModelFamily::kQwen2, ModelFamily::kQwen3, ModelFamily::kLlama}) {
+    for (bool bias : {false, true}) {
+      if (fam == ModelFamily::kQwen2 && !bias) continue;
+      auto c = test_config().as_family(fam);
+      c.attention_bias = bias;
+      if (fam == ModelFamily::kLlama) c.rope_llama3 = RopeLlama3{8.0, 1.0, 4.0, 16};  // scaling in use at these positions
+      auto m = make_model(c, nullptr, 3, 0.1);
+      std::mt19937 rng(7);
+      auto ids = random_ids(rng, 24, c.vocab_size);
+      at::NoGradGuard ng;
+      auto full = m->logits(m->forward(make_batch({ids}, {}, at::kCPU)));
+      ContiguousKvCache cache(c, 1, 32, at::kFloat, at::kCPU);
+      std::vector<at::Tensor> parts;
+      std::int64_t pos = 0;
+      for (int n : {9, 6, 1, 1, 1, 1, 1, 1, 1, 1, 1}) {
+        std::vector<std::int64_t> chunk(ids.begin() + pos, ids.begin() + pos + n);
+        auto b = make_batch({chunk}, {pos}, at::kCPU);
+        auto meta = cache.plan(b.segs, {0});
+        parts.push_back(m->logits(m->forward(b, nullptr, &cache.pool(), &meta)));
+        pos += n;
+      }
+      const double diff = max_abs_diff(at::cat(parts), full);
+      EXPECT_LE(diff, 1e-5) << family_name(fam) << " bias " << bias << ": max |cached - full| = " << diff;
+    }
+  }
+}
+
+TEST(Families, WeightsFollowTheConfigAndAnUnknownFamilyIsNamed) {
+  auto q3 = ModelConfig::preset("qwen3-tiny");
+  auto w = random_weights(q3, 1, at::kFloat);
+  auto has = [&](const std::string& n) {
+    return std::any_of(w.begin(), w.end(), [&](const auto& x) { return x.first == n; });
+  };
+  EXPECT_TRUE(has("model.layers.0.self_attn.q_norm.weight"));
+  EXPECT_FALSE(has("model.layers.0.self_attn.q_proj.bias"));
+  auto m = DecoderModel::from_named(q3, w, at::kFloat, at::kCPU);
+  EXPECT_EQ(m->named_weights().size(), w.size());
+  // A qwen3 checkpoint without its q/k norms is refused, naming the tensor.
+  NamedTensors missing;
+  for (auto& x : w)
+    if (x.first.find("k_norm") == std::string::npos) missing.push_back(x);
+  try {
+    (void)DecoderModel::from_named(q3, missing, at::kFloat, at::kCPU, "ckpt");
+    ADD_FAILURE() << "loaded without k_norm";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("self_attn.k_norm.weight"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)parse_family("mistral"), Error);
+  EXPECT_EQ(parse_family("llama3"), ModelFamily::kLlama);
 }
 
 TEST(Forward, VariableLengthBatchEqualsEachAlone) {
@@ -503,8 +558,8 @@ TEST(Lora, RefusesUnsupportedConfigs) {
 }
 
 TEST(Config, ValidatesAndNamesProblems) {
-  auto good = Qwen2Config::preset("qwen2.5-1.5b-shape");
-  auto back = Qwen2Config::from_json(good.to_json(), "x");
+  auto good = ModelConfig::preset("qwen2.5-1.5b-shape");
+  auto back = ModelConfig::from_json(good.to_json(), "x");
   EXPECT_EQ(back.hidden_size, 1536);
   EXPECT_EQ(back.num_key_value_heads, 2);
   EXPECT_EQ(back.head_dim, 128);
@@ -512,7 +567,7 @@ TEST(Config, ValidatesAndNamesProblems) {
   EXPECT_NEAR(static_cast<double>(good.n_params()), 1.54e9, 0.02e9);
   auto expect_msg = [](const std::string& json, const std::string& needle) {
     try {
-      Qwen2Config::from_json(json, "config.json");
+      ModelConfig::from_json(json, "config.json");
       ADD_FAILURE() << "accepted " << json;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
@@ -522,9 +577,57 @@ TEST(Config, ValidatesAndNamesProblems) {
   expect_msg("{" + base + R"(, "num_key_value_heads": 3})", "not a multiple");
   expect_msg("{" + base + R"(, "rope_scaling": {"type": "yarn", "factor": 4}})", "rope_scaling");
   expect_msg("{" + base + R"(, "hidden_act": "gelu"})", "gelu");
-  expect_msg(R"({"model_type": "llama", "vocab_size": 10})", "llama");
+  expect_msg(R"({"model_type": "mistral", "vocab_size": 10})", "mistral");
   expect_msg(R"({"model_type": "qwen2", "vocab_size": 10})", "hidden_size");
   expect_msg(R"({"model_type": "qwen2", "vocab_size": "10"})", "'vocab_size' must be an integer");
+}
+
+TEST(Config, ReadsEachFamilysKeys) {
+  const std::string base =
+      R"("vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2)";
+  auto q3 = ModelConfig::from_json(R"({"model_type": "qwen3", )" + base + "}", "x");
+  EXPECT_EQ(q3.family, ModelFamily::kQwen3);
+  EXPECT_TRUE(q3.qk_norm);
+  EXPECT_FALSE(q3.attention_bias);
+  EXPECT_EQ(q3.head_dim, 128);  // transformers' Qwen3Config default, not hidden / heads
+  auto ll = ModelConfig::from_json(
+      R"({"architectures": ["LlamaForCausalLM"], "attention_bias": true, )" + base +
+          R"(, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})",
+      "x");
+  EXPECT_EQ(ll.family, ModelFamily::kLlama);
+  EXPECT_TRUE(ll.attention_bias);
+  EXPECT_EQ(ll.head_dim, 4);
+  EXPECT_DOUBLE_EQ(ll.rope_theta, 500000.0);
+  ASSERT_TRUE(ll.rope_llama3.has_value());
+  EXPECT_DOUBLE_EQ(ll.rope_llama3->factor, 32.0);
+  // to_json round-trips every family.
+  for (const char* p : {"qwen3-1.7b-shape", "llama3.2-1b-shape", "tiny"}) {
+    auto c = ModelConfig::preset(p);
+    auto back = ModelConfig::from_json(c.to_json(), p);
+    EXPECT_EQ(back.family, c.family) << p;
+    EXPECT_EQ(back.qk_norm, c.qk_norm) << p;
+    EXPECT_EQ(back.attention_bias, c.attention_bias) << p;
+    EXPECT_EQ(back.head_dim, c.head_dim) << p;
+    EXPECT_EQ(back.rope_llama3.has_value(), c.rope_llama3.has_value()) << p;
+    EXPECT_EQ(back.n_params(), c.n_params()) << p;
+  }
+  // Llama-3.2-1B has 1.24e9 parameters, Qwen3-1.7B 1.72e9 (tied embeddings counted once).
+  EXPECT_NEAR(static_cast<double>(ModelConfig::preset("llama3.2-1b-shape").n_params()), 1.24e9, 0.01e9);
+  EXPECT_NEAR(static_cast<double>(ModelConfig::preset("qwen3-1.7b-shape").n_params()), 1.72e9, 0.01e9);
+  auto refused = [&](const std::string& json, const std::string& needle) {
+    try {
+      (void)ModelConfig::from_json(json, "config.json");
+      ADD_FAILURE() << "accepted " << json;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"model_type": "llama", "mlp_bias": true, )" + base + "}", "mlp_bias");
+  refused(R"({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}, )" + base + "}", "yarn");
+  refused(R"({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+              "high_freq_factor": 1.0}, )" + base + "}",
+          "low_freq_factor < high_freq_factor");
 }
 
 TEST(Model, ShardedEqualsSingleFileAndBf16Loads) {
@@ -545,12 +648,12 @@ TEST(Model, ShardedEqualsSingleFileAndBf16Loads) {
   };
   EXPECT_EQ(write(a.path(), 1ull << 30), 1);
   EXPECT_GT(write(b.path(), 40000), 3);
-  auto ma = Qwen2Model::load(a.path(), at::kFloat, at::kCPU);
-  auto mb = Qwen2Model::load(b.path(), at::kFloat, at::kCPU);
+  auto ma = DecoderModel::load(a.path(), at::kFloat, at::kCPU);
+  auto mb = DecoderModel::load(b.path(), at::kFloat, at::kCPU);
   at::NoGradGuard ng;
   auto batch = make_batch({{5, 6, 7, 8}}, {}, at::kCPU);
   EXPECT_TRUE(at::equal(ma->logits(ma->forward(batch)), mb->logits(mb->forward(batch))));
-  auto m16 = Qwen2Model::load(a.path(), at::kBFloat16, at::kCPU);
+  auto m16 = DecoderModel::load(a.path(), at::kBFloat16, at::kCPU);
   auto l16 = m16->logits(m16->forward(batch));
   EXPECT_EQ(l16.scalar_type(), at::kFloat);
   EXPECT_LT(max_abs_diff(l16, ma->logits(ma->forward(batch))), 0.5);

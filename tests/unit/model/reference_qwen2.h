@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 
 namespace lorasync::model::testing {
 
@@ -66,7 +66,7 @@ inline void rope(double* h, std::int64_t hd, std::int64_t p, double theta) {
 }
 
 // Logits [T][V] of one sequence of token ids (positions 0..T-1), causal attention.
-inline std::vector<Vec> reference_logits(const Qwen2Config& c,
+inline std::vector<Vec> reference_logits(const ModelConfig& c,
                                          const std::map<std::string, at::Tensor>& w,
                                          const std::vector<std::int64_t>& ids) {
   auto M = [&](const std::string& n) { return to_mat(w.at(n)); };

@@ -11,7 +11,7 @@
 #include "core/model/autograd_ops.h"
 #include "core/model/logprobs.h"
 #include "core/model/perf.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "core/model/runtime.h"
 
 namespace lorasync::model {
@@ -89,13 +89,13 @@ TEST(LmHeadLogprobs, Bf16GradientOfConfidentTokensIsNotRoundingNoise) {
   EXPECT_LT(rel, 0.08) << "relative error of the bf16 gradient";  // the naive W[t] - bf16(p W) gave ~0.15 on this construction
 }
 
-Qwen2Config small_cfg() {
-  auto c = Qwen2Config::preset("tiny");
+ModelConfig small_cfg() {
+  auto c = ModelConfig::preset("tiny");
   c.vocab_size = 256;
   return c;
 }
 
-LoraAdapter trained_like(const Qwen2Config& c, c10::ScalarType dt) {
+LoraAdapter trained_like(const ModelConfig& c, c10::ScalarType dt) {
   LoraConfig lc;
   lc.rank = 2;
   lc.alpha = 4;
@@ -125,7 +125,7 @@ std::vector<LogprobItem> row_of(std::mt19937& rng, const std::vector<std::pair<i
 
 TEST(Checkpointing, SameLogprobsAndLoraGradientsAsKeepingActivations) {
   auto c = small_cfg();
-  auto m = Qwen2Model::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kDouble, at::kCPU);
+  auto m = DecoderModel::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kDouble, at::kCPU);
   auto a = trained_like(c, at::kDouble);
   std::mt19937 rng(3);
   auto items = row_of(rng, {{5, 7}, {3, 4}, {9, 2}}, c.vocab_size);
@@ -151,7 +151,7 @@ TEST(Checkpointing, SameLogprobsAndLoraGradientsAsKeepingActivations) {
 
 TEST(Checkpointing, RefusedWithAKvCacheAndInertWithoutGradients) {
   auto c = small_cfg();
-  auto m = Qwen2Model::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto m = DecoderModel::from_named(c, random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
   auto a = trained_like(c, at::kFloat);
   std::mt19937 rng(4);
   auto items = row_of(rng, {{4, 6}}, c.vocab_size);
@@ -167,7 +167,7 @@ TEST(Checkpointing, RefusedWithAKvCacheAndInertWithoutGradients) {
 
 // Peak bytes of CPU tensors over one forward + backward of a row holding one sample of L tokens
 // (half prompt, half completion: a single causal segment, the worst case for attention).
-std::int64_t peak_bytes_for_row(const Qwen2Model& m, LoraAdapter& a, std::int64_t L, bool ckpt) {
+std::int64_t peak_bytes_for_row(const DecoderModel& m, LoraAdapter& a, std::int64_t L, bool ckpt) {
   std::mt19937 rng(static_cast<unsigned>(L));
   auto items = row_of(rng, {{static_cast<int>(L / 2), static_cast<int>(L / 2)}}, m.config().vocab_size);
   for (auto& p : a.parameters()) p.mutable_grad() = at::Tensor();
@@ -182,7 +182,7 @@ std::int64_t peak_bytes_for_row(const Qwen2Model& m, LoraAdapter& a, std::int64_
 TEST(TrainingMemory, PeakGrowsLinearlyWithTheRowLength) {
   auto c = small_cfg();
   c.vocab_size = 4096;  // the LM head's share of a row matters, as with a real vocabulary
-  auto m = Qwen2Model::from_named(c, random_weights(c, 7, at::kFloat, 0.05), at::kFloat, at::kCPU);
+  auto m = DecoderModel::from_named(c, random_weights(c, 7, at::kFloat, 0.05), at::kFloat, at::kCPU);
   auto a = trained_like(c, at::kFloat);
   for (bool ckpt : {false, true}) {
     SCOPED_TRACE(ckpt ? "checkpointed layers" : "kept activations");
@@ -203,7 +203,7 @@ TEST(TrainingMemory, PeakGrowsLinearlyWithTheRowLength) {
 TEST(TrainingMemory, CheckpointingKeepsLessThanKeepingActivations) {
   auto c = small_cfg();
   c.num_hidden_layers = 6;
-  auto m = Qwen2Model::from_named(c, random_weights(c, 8, at::kFloat, 0.05), at::kFloat, at::kCPU);
+  auto m = DecoderModel::from_named(c, random_weights(c, 8, at::kFloat, 0.05), at::kFloat, at::kCPU);
   auto a = trained_like(c, at::kFloat);
   const auto keep = peak_bytes_for_row(*m, a, 2048, false);
   const auto ckpt = peak_bytes_for_row(*m, a, 2048, true);
@@ -217,7 +217,7 @@ TEST(TrainingMemory, CheckpointingKeepsLessThanKeepingActivations) {
 TEST(TrainingMemory, RowEstimateBracketsTheMeasuredPeak) {
   auto c = small_cfg();
   c.vocab_size = 4096;
-  auto m = Qwen2Model::from_named(c, random_weights(c, 7, at::kFloat, 0.05), at::kFloat, at::kCPU);
+  auto m = DecoderModel::from_named(c, random_weights(c, 7, at::kFloat, 0.05), at::kFloat, at::kCPU);
   auto a = trained_like(c, at::kFloat);
   for (bool ckpt : {false, true}) {
     const double measured = static_cast<double>(peak_bytes_for_row(*m, a, 2048, ckpt));
@@ -225,7 +225,7 @@ TEST(TrainingMemory, RowEstimateBracketsTheMeasuredPeak) {
     EXPECT_GT(est / measured, 0.7) << (ckpt ? "checkpointed " : "kept ") << est << " vs " << measured;
     EXPECT_LT(est / measured, 2.0) << (ckpt ? "checkpointed " : "kept ") << est << " vs " << measured;
   }
-  const auto big = Qwen2Config::preset("qwen2.5-1.5b-shape");
+  const auto big = ModelConfig::preset("qwen2.5-1.5b-shape");
   constexpr double MiB = 1024.0 * 1024;
   for (auto [tokens, mib] : {std::pair<std::int64_t, double>{1659, 711}, {5583, 2394}}) {
     const double r = static_cast<double>(training_row_bytes(big, at::kFloat, tokens, 128, true)) / MiB / mib;

@@ -5,7 +5,7 @@
 
 #include <random>
 
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "engine/adapter_store.h"
 #include "rl/grpo_loss.h"
 #include "rl/packed_forward.h"
@@ -17,8 +17,8 @@
 namespace lorasync::rl {
 namespace {
 
-model::Qwen2Config cfg() {
-  auto c = model::Qwen2Config::preset("tiny");
+model::ModelConfig cfg() {
+  auto c = model::ModelConfig::preset("tiny");
   c.vocab_size = 512;
   c.intermediate_size = 96;
   return c;
@@ -30,7 +30,7 @@ std::vector<std::int64_t> ids(std::mt19937& rng, int n) {
   return v;
 }
 
-model::LoraAdapter adapter(const model::Qwen2Config& c, std::uint64_t seed, c10::ScalarType dt = at::kFloat) {
+model::LoraAdapter adapter(const model::ModelConfig& c, std::uint64_t seed, c10::ScalarType dt = at::kFloat) {
   model::LoraConfig lc;
   lc.rank = 2;
   lc.alpha = 4;
@@ -48,7 +48,7 @@ model::LoraAdapter adapter(const model::Qwen2Config& c, std::uint64_t seed, c10:
 
 TEST(PackedForward, PackedRowEqualsEachSampleAloneAndSegmentsAreIsolated) {
   auto c = cfg();
-  auto m = model::Qwen2Model::from_named(c, model::random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto m = model::DecoderModel::from_named(c, model::random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
   auto a = adapter(c, 3);
   std::mt19937 rng(4);
   std::vector<PackedSample> row;
@@ -74,7 +74,7 @@ TEST(PackedForward, PackedRowEqualsEachSampleAloneAndSegmentsAreIsolated) {
 
 TEST(PackedForward, LoraGradientMatchesCentralDifferencesInFp64) {
   auto c = cfg();
-  auto m = model::Qwen2Model::from_named(c, model::random_weights(c, 5, at::kFloat, 0.1), at::kDouble, at::kCPU);
+  auto m = model::DecoderModel::from_named(c, model::random_weights(c, 5, at::kFloat, 0.1), at::kDouble, at::kCPU);
   auto a = adapter(c, 6, at::kDouble);
   a.set_requires_grad(true);
   std::mt19937 rng(7);

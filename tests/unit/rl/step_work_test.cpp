@@ -8,15 +8,15 @@
 #include <random>
 
 #include "core/model/logprobs.h"
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 #include "rl/step_work.h"
 #include "util/error.h"
 
 namespace lorasync::rl {
 namespace {
 
-model::Qwen2Config tiny() {
-  auto c = model::Qwen2Config::preset("tiny");
+model::ModelConfig tiny() {
+  auto c = model::ModelConfig::preset("tiny");
   c.vocab_size = 512;
   c.intermediate_size = 96;
   return c;
@@ -183,7 +183,7 @@ TEST(StepWork, PerRankStatisticsMerge) {
 // denominators), with the recompute pass reading each sample's version snapshot.
 TEST(StepWork, SharesSumToTheWholeStepsGradients) {
   const auto c = tiny();
-  auto model = model::Qwen2Model::from_named(c, model::random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto model = model::DecoderModel::from_named(c, model::random_weights(c, 2, at::kFloat, 0.1), at::kFloat, at::kCPU);
   model::LoraConfig lc;
   lc.rank = 2, lc.alpha = 4;
   lc.targets = model::LoraConfig::parse_targets({"all-linear"});
@@ -260,7 +260,7 @@ TEST(StepWork, SharesSumToTheWholeStepsGradients) {
 // for the whole sample). The mask and versions survive the ranks' messages.
 TEST(StepWork, EpisodeSamplesTrainTheModelsTokensUnderTheirOwnVersions) {
   const auto c = tiny();
-  auto model = model::Qwen2Model::from_named(c, model::random_weights(c, 3, at::kFloat, 0.1), at::kFloat, at::kCPU);
+  auto model = model::DecoderModel::from_named(c, model::random_weights(c, 3, at::kFloat, 0.1), at::kFloat, at::kCPU);
   model::LoraConfig lc;
   lc.rank = 2, lc.alpha = 4;
   lc.targets = model::LoraConfig::parse_targets({"all-linear"});

@@ -7,7 +7,7 @@
 
 #include <set>
 
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 #include "core/tokenizer/tokenizer.h"
 #include "reward/reward_fn.h"
 #include "rl/checkpoint.h"
@@ -38,7 +38,7 @@ TEST(TrainerParts, VersionNamesAndPermutations) {
 
 TEST(TrainerParts, CheckpointRoundTripIsBitExact) {
   TempDir dir("lorasync-ckpt");
-  auto mc = model::Qwen2Config::preset("tiny");
+  auto mc = model::ModelConfig::preset("tiny");
   model::LoraConfig lc;
   lc.rank = 2;
   lc.alpha = 4;

@@ -4,7 +4,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
+#include <fstream>
 #include <random>
+
+#include <unistd.h>
 
 #include "core/tokenizer/added_vocab.h"
 #include "core/tokenizer/bpe.h"
@@ -375,6 +379,71 @@ TEST(IncrementalDecoder, NeverEmitsBrokenUtf8AndMatchesDecode) {
 }
 
 // ---- chat template ----
+
+TEST(ChatTemplate, Qwen3KeepsThinkingOnlyAfterTheLastUserMessage) {
+  // Qwen3's template: an assistant turn's <think> block is split off; turns before the last user
+  // message lose it, the turns after keep it, and the last turn always gets a block.
+  std::vector<ChatMessage> msgs = {{"system", "S"},
+                                   {"user", "Q1"},
+                                   {"assistant", "<think>\nold reasoning\n</think>\n\nA1"},
+                                   {"user", "Q2"},
+                                   {"assistant", "<think>\nnew\n</think>\n\nA2"}};
+  EXPECT_EQ(render_chat(ChatFormat::kQwen3, msgs, {.add_generation_prompt = false}),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+            "<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\nnew\n</think>\n\nA2<|im_end|>\n");
+  // The last assistant turn without a block gets an empty one; a generation prompt with thinking
+  // off pre-fills an empty block.
+  std::vector<ChatMessage> two = {{"user", "Q"}, {"assistant", "A"}};
+  EXPECT_EQ(render_chat(ChatFormat::kQwen3, two, {.add_generation_prompt = false}),
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n");
+  std::vector<ChatMessage> one = {{"user", "Q"}};
+  EXPECT_EQ(render_chat(ChatFormat::kQwen3, one, {.enable_thinking = false}),
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  EXPECT_EQ(render_chat(ChatFormat::kQwen3, one), "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n");
+}
+
+TEST(ChatTemplate, Llama3HeadersTrimContentAndStopAtEotId) {
+  std::vector<ChatMessage> msgs = {{"system", " S "}, {"user", "U\n"}, {"assistant", "A"}};
+  EXPECT_EQ(render_chat(ChatFormat::kLlama3, msgs),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(chat_stop_tokens(ChatFormat::kLlama3)[0], "<|eot_id|>");
+  EXPECT_EQ(chat_stop_tokens(ChatFormat::kQwen3)[0], "<|im_end|>");
+  std::vector<ChatMessage> bad = {{"tool", "x"}};
+  EXPECT_THROW((void)render_chat(ChatFormat::kLlama3, bad), Error);
+}
+
+TEST(ChatTemplate, TheFormatIsDetectedFromTheTokenizersTemplate) {
+  EXPECT_EQ(detect_chat_format(""), ChatFormat::kChatml);
+  EXPECT_EQ(detect_chat_format(kChatmlJinja), ChatFormat::kChatml);
+  EXPECT_EQ(detect_chat_format("{{'<|im_start|>'}}{% if x %}<think>\n\n</think>{% endif %}"), ChatFormat::kQwen3);
+  EXPECT_EQ(detect_chat_format("{{ '<|start_header_id|>' + message['role'] }}"), ChatFormat::kLlama3);
+  EXPECT_EQ(parse_chat_format("llama3", "x"), ChatFormat::kLlama3);
+  try {
+    (void)parse_chat_format("vicuna", "data.prompt_format");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("data.prompt_format"), std::string::npos);
+  }
+  // From a directory: a list of named templates picks "default"; no file means chatml.
+  const auto dir = std::filesystem::temp_directory_path() / ("chatfmt-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  EXPECT_EQ(chat_format_of_dir(dir.string()), ChatFormat::kChatml);
+  {
+    std::ofstream f(dir / "tokenizer_config.json");
+    f << R"({"chat_template": [{"name": "tool_use", "template": "<|im_start|>"},
+             {"name": "default", "template": "<|start_header_id|>"}]})";
+  }
+  EXPECT_EQ(chat_format_of_dir(dir.string()), ChatFormat::kLlama3);
+  {
+    std::ofstream f(dir / "tokenizer_config.json");
+    f << "{not json";
+  }
+  EXPECT_THROW((void)chat_format_of_dir(dir.string()), Error);
+  std::filesystem::remove_all(dir);
+}
 
 TEST(ChatTemplate, ChatMlMatchesQwensTemplate) {
   std::vector<ChatMessage> msgs = {{"system", "S"}, {"user", "U"}, {"assistant", "A"}};

@@ -1,12 +1,15 @@
-// core/model/qwen2_model.h: the Qwen2 decoder in libtorch, numerically equal to Hugging Face
-// transformers' Qwen2 in fp32.
+// core/model/decoder_model.h: the dense decoder of every supported family (Qwen2, Qwen3, Llama 3;
+// the differences are ModelConfig data) in libtorch, numerically equal to Hugging Face
+// transformers' Qwen2ForCausalLM, Qwen3ForCausalLM and LlamaForCausalLM in fp32.
 //
-// Semantics (checked by tests against an independent implementation):
+// Semantics (checked by tests against an independent implementation and against transformers):
 //  - RMSNorm in fp32: x * rsqrt(mean(x^2) + eps), cast back to the input dtype, then * weight;
-//  - RoPE rotate-half (not interleaved): inv_freq = 1 / theta^(2i/d) in fp32, angle = pos * inv_freq,
-//    q' = q cos + rotate_half(q) sin, cos/sin over cat(angle, angle);
-//  - grouped-query attention with q/k/v bias, scale 1/sqrt(head_dim), softmax in fp32, KV head j
-//    serving query heads [j*g, (j+1)*g);
+//  - RoPE rotate-half (not interleaved): inv_freq = 1 / theta^(2i/d) in fp32 (llama3-scaled when
+//    the config says so), angle = pos * inv_freq, q' = q cos + rotate_half(q) sin, cos/sin over
+//    cat(angle, angle);
+//  - grouped-query attention with q/k/v bias where the config has one (qwen2), q and k each
+//    RMSNormed per head before RoPE where it has the norms (qwen3), scale 1/sqrt(head_dim),
+//    softmax in fp32, KV head j serving query heads [j*g, (j+1)*g);
 //  - SwiGLU MLP down(silu(gate(x)) * up(x)); LM head tied to the embedding or separate.
 //
 // Batches are flat: tokens [T] with positions [T] and segments (one per sequence) that never
@@ -34,7 +37,7 @@
 
 #include "core/model/kv_cache.h"
 #include "core/model/lora.h"
-#include "core/model/qwen2_config.h"
+#include "core/model/model_config.h"
 
 namespace lorasync::model {
 
@@ -53,25 +56,27 @@ struct Batch {
 Batch make_batch(const std::vector<std::vector<std::int64_t>>& seqs,
                  const std::vector<std::int64_t>& pasts, c10::Device device);
 
-class Qwen2Model {
+class DecoderModel {
  public:
   struct Layer {
     at::Tensor input_norm;                 // [d]
     at::Tensor q_w, q_b, k_w, k_b, v_w, v_b, o_w;  // [q_dim,d] [q_dim] [kv,d] [kv] [kv,d] [kv] [d,q_dim]
+                                                   // (biases undefined without attention_bias)
+    at::Tensor q_norm, k_norm;             // [head_dim] each, with qk_norm (else undefined)
     at::Tensor post_norm;                  // [d]
     at::Tensor gate_w, up_w, down_w;       // [I,d] [I,d] [d,I]
   };
 
   // Loads a Hugging Face directory (config.json + safetensors, sharded or not), converting weights
   // to `dtype` on `device`. Errors name the directory, the tensor and the shapes.
-  static std::unique_ptr<Qwen2Model> load(const std::filesystem::path& dir, c10::ScalarType dtype,
+  static std::unique_ptr<DecoderModel> load(const std::filesystem::path& dir, c10::ScalarType dtype,
                                           c10::Device device);
   // From named tensors with Hugging Face names (any dtype/device; converted).
-  static std::unique_ptr<Qwen2Model> from_named(const Qwen2Config& cfg, const NamedTensors& named,
+  static std::unique_ptr<DecoderModel> from_named(const ModelConfig& cfg, const NamedTensors& named,
                                                 c10::ScalarType dtype, c10::Device device,
                                                 const std::string& label = "weights");
 
-  const Qwen2Config& config() const { return cfg_; }
+  const ModelConfig& config() const { return cfg_; }
   c10::ScalarType dtype() const { return dtype_; }
   c10::Device device() const { return device_; }
 
@@ -95,7 +100,7 @@ class Qwen2Model {
   const Layer& layer(std::int64_t i) const { return layers_.at(static_cast<std::size_t>(i)); }
 
  private:
-  Qwen2Model(Qwen2Config cfg, c10::ScalarType dtype, c10::Device device);
+  DecoderModel(ModelConfig cfg, c10::ScalarType dtype, c10::Device device);
   at::Tensor attention(std::int64_t l, const at::Tensor& x, const Batch& batch,
                        const at::Tensor& cos, const at::Tensor& sin, const LoraBatch* lora,
                        KvPool* kv, const AttnMeta* meta) const;
@@ -108,7 +113,7 @@ class Qwen2Model {
   at::Tensor forward_cpu_decode(const Batch& batch, const LoraBatch* lora, KvPool& kv,
                                 const AttnMeta& meta) const;
 
-  Qwen2Config cfg_;
+  ModelConfig cfg_;
   c10::ScalarType dtype_;
   c10::Device device_;
   at::Tensor embed_;     // [vocab, d]
@@ -139,6 +144,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // cos, sin [T, head_dim] (fp32) for positions [T].
 std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq);
 at::Tensor rope_inv_freq(std::int64_t head_dim, double theta, c10::Device device);
+// The config's inv_freq: plain, or llama3-scaled (fp32, as transformers computes it).
+at::Tensor rope_inv_freq(const ModelConfig& cfg, c10::Device device);
 // x [T, heads, head_dim]: x cos + rotate_half(x) sin (cos/sin cast to x's dtype).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // Causal attention of one segment: q [L, nh, hd], k/v [S, nkv, hd], query i sees keys j <= past+i
@@ -170,7 +177,7 @@ at::Tensor paged_decode_attention_reference(const at::Tensor& q, const at::Tenso
 
 // Random weights with Hugging Face names, N(0, std) for matrices, biases and norm weights
 // perturbed around their defaults, generated on CPU from `seed` and stored in `dtype`.
-NamedTensors random_weights(const Qwen2Config& cfg, std::uint64_t seed, c10::ScalarType dtype,
+NamedTensors random_weights(const ModelConfig& cfg, std::uint64_t seed, c10::ScalarType dtype,
                             double std = 0.02);
 
 }  // namespace lorasync::model

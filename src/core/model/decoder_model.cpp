@@ -1,4 +1,4 @@
-#include "core/model/qwen2_model.h"
+#include "core/model/decoder_model.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -100,6 +100,25 @@ at::Tensor rope_inv_freq(std::int64_t head_dim, double theta, c10::Device device
   auto expo = idx / static_cast<float>(head_dim);
   auto base = at::full({}, theta, at::TensorOptions().dtype(at::kFloat));
   return (1.0 / at::pow(base, expo)).to(device);
+}
+
+at::Tensor rope_inv_freq(const ModelConfig& cfg, c10::Device device) {
+  auto inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, at::kCPU);
+  if (cfg.rope_llama3) {
+    // Wavelengths longer than original / low_freq_factor are divided by `factor`, shorter than
+    // original / high_freq_factor kept, and those between interpolated (fp32 throughout).
+    const auto& r = *cfg.rope_llama3;
+    const double old_len = static_cast<double>(r.original_max_position_embeddings);
+    const double low_wavelen = old_len / r.low_freq_factor;
+    const double high_wavelen = old_len / r.high_freq_factor;
+    auto wavelen = 2 * M_PI / inv;
+    auto scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+    auto smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+    auto smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+    auto medium = at::logical_not(wavelen < high_wavelen) & at::logical_not(wavelen > low_wavelen);
+    inv = at::where(medium, smoothed, scaled).to(at::kFloat);
+  }
+  return inv.to(device);
 }
 
 std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& positions, const at::Tensor& inv_freq) {
@@ -237,15 +256,15 @@ at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
-Qwen2Model::Qwen2Model(Qwen2Config cfg, c10::ScalarType dtype, c10::Device device)
+DecoderModel::DecoderModel(ModelConfig cfg, c10::ScalarType dtype, c10::Device device)
     : cfg_(std::move(cfg)), dtype_(dtype), device_(device) {
-  inv_freq_ = rope_inv_freq(cfg_.head_dim, cfg_.rope_theta, device_);
+  inv_freq_ = rope_inv_freq(cfg_, device_);
 }
 
-std::unique_ptr<Qwen2Model> Qwen2Model::from_named(const Qwen2Config& cfg, const NamedTensors& named,
+std::unique_ptr<DecoderModel> DecoderModel::from_named(const ModelConfig& cfg, const NamedTensors& named,
                                                    c10::ScalarType dtype, c10::Device device,
                                                    const std::string& label) {
-  std::unique_ptr<Qwen2Model> m(new Qwen2Model(cfg, dtype, device));
+  std::unique_ptr<DecoderModel> m(new DecoderModel(cfg, dtype, device));
   std::unordered_map<std::string, const at::Tensor*> by_name;
   for (const auto& [n, t] : named) by_name[n] = &t;
   std::size_t used = 0;
@@ -280,11 +299,17 @@ std::unique_ptr<Qwen2Model> Qwen2Model::from_named(const Qwen2Config& cfg, const
     Layer L;
     L.input_norm = take(p + "input_layernorm.weight", {d});
     L.q_w = take(p + "self_attn.q_proj.weight", {qd, d});
-    L.q_b = take(p + "self_attn.q_proj.bias", {qd});
     L.k_w = take(p + "self_attn.k_proj.weight", {kvd, d});
-    L.k_b = take(p + "self_attn.k_proj.bias", {kvd});
     L.v_w = take(p + "self_attn.v_proj.weight", {kvd, d});
-    L.v_b = take(p + "self_attn.v_proj.bias", {kvd});
+    if (cfg.attention_bias) {
+      L.q_b = take(p + "self_attn.q_proj.bias", {qd});
+      L.k_b = take(p + "self_attn.k_proj.bias", {kvd});
+      L.v_b = take(p + "self_attn.v_proj.bias", {kvd});
+    }
+    if (cfg.qk_norm) {
+      L.q_norm = take(p + "self_attn.q_norm.weight", {cfg.head_dim});
+      L.k_norm = take(p + "self_attn.k_norm.weight", {cfg.head_dim});
+    }
     L.o_w = take(p + "self_attn.o_proj.weight", {d, qd});
     L.post_norm = take(p + "post_attention_layernorm.weight", {d});
     L.gate_w = take(p + "mlp.gate_proj.weight", {I, d});
@@ -293,14 +318,14 @@ std::unique_ptr<Qwen2Model> Qwen2Model::from_named(const Qwen2Config& cfg, const
     m->layers_.push_back(std::move(L));
   }
   if (used != named.size())
-    LS_LOG_WARN("model", "{}: {} of {} weights are not part of the Qwen2 architecture and were ignored",
-                label, named.size() - used, named.size());
+    LS_LOG_WARN("model", "{}: {} of {} weights are not part of the {} architecture and were ignored",
+                label, named.size() - used, named.size(), family_name(cfg.family));
   return m;
 }
 
-std::unique_ptr<Qwen2Model> Qwen2Model::load(const std::filesystem::path& dir, c10::ScalarType dtype,
+std::unique_ptr<DecoderModel> DecoderModel::load(const std::filesystem::path& dir, c10::ScalarType dtype,
                                              c10::Device device) {
-  auto cfg = Qwen2Config::load(dir);
+  auto cfg = ModelConfig::load(dir);
   auto ws = io::open_weights(dir);
   NamedTensors named;
   for (const auto& name : ws.names()) {
@@ -312,7 +337,7 @@ std::unique_ptr<Qwen2Model> Qwen2Model::load(const std::filesystem::path& dir, c
   return from_named(cfg, named, dtype, device, dir.string());
 }
 
-at::Tensor Qwen2Model::attention(std::int64_t l, const at::Tensor& x, const Batch& batch,
+at::Tensor DecoderModel::attention(std::int64_t l, const at::Tensor& x, const Batch& batch,
                                  const at::Tensor& cos, const at::Tensor& sin,
                                  const LoraBatch* lora, KvPool* kv, const AttnMeta* meta) const {
   const Layer& L = layers_[static_cast<std::size_t>(l)];
@@ -322,8 +347,14 @@ at::Tensor Qwen2Model::attention(std::int64_t l, const at::Tensor& x, const Batc
     auto y = at::linear(x, w, b);
     return lora ? lora->apply(x, std::move(y), l, m) : y;
   };
-  auto q = apply_rope(proj(L.q_w, L.q_b, LoraModule::kQ).view({T, nh, hd}), cos, sin);
-  auto k = apply_rope(proj(L.k_w, L.k_b, LoraModule::kK).view({T, nkv, hd}), cos, sin);
+  auto q = proj(L.q_w, L.q_b, LoraModule::kQ).view({T, nh, hd});
+  auto k = proj(L.k_w, L.k_b, LoraModule::kK).view({T, nkv, hd});
+  if (cfg_.qk_norm) {  // Qwen3: each head of q and k RMSNormed over head_dim, before RoPE
+    q = rms_norm(q.reshape({T * nh, hd}), L.q_norm, cfg_.rms_norm_eps).view({T, nh, hd});
+    k = rms_norm(k.reshape({T * nkv, hd}), L.k_norm, cfg_.rms_norm_eps).view({T, nkv, hd});
+  }
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
   auto v = proj(L.v_w, L.v_b, LoraModule::kV).view({T, nkv, hd});
 
   at::Tensor out;
@@ -358,7 +389,7 @@ at::Tensor Qwen2Model::attention(std::int64_t l, const at::Tensor& x, const Batc
   return lora ? lora->apply(out, std::move(y), l, LoraModule::kO) : y;
 }
 
-at::Tensor Qwen2Model::decoder_layer(std::int64_t l, const at::Tensor& h_in, const Batch& batch,
+at::Tensor DecoderModel::decoder_layer(std::int64_t l, const at::Tensor& h_in, const Batch& batch,
                                      const at::Tensor& cos, const at::Tensor& sin, const LoraBatch* lora,
                                      KvPool* kv, const AttnMeta* meta) const {
   const Layer& L = layers_[static_cast<std::size_t>(l)];
@@ -377,7 +408,7 @@ at::Tensor Qwen2Model::decoder_layer(std::int64_t l, const at::Tensor& h_in, con
   return h + down;
 }
 
-at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool* kv,
+at::Tensor DecoderModel::forward(const Batch& batch, const LoraBatch* lora, KvPool* kv,
                                const AttnMeta* meta, bool checkpoint_layers) const {
   LS_CHECK((kv == nullptr) == (meta == nullptr), "kv and meta go together");
   if (checkpoint_layers && kv != nullptr) throw_invalid("activation checkpointing applies to forwards without a KV cache");
@@ -401,7 +432,7 @@ at::Tensor Qwen2Model::forward(const Batch& batch, const LoraBatch* lora, KvPool
   return rms_norm(h, final_norm_, cfg_.rms_norm_eps);
 }
 
-at::Tensor& Qwen2Model::module_weight(std::int64_t layer, LoraModule m) {
+at::Tensor& DecoderModel::module_weight(std::int64_t layer, LoraModule m) {
   Layer& L = layers_.at(static_cast<std::size_t>(layer));
   switch (m) {
     case LoraModule::kQ: return L.q_w;
@@ -416,7 +447,7 @@ at::Tensor& Qwen2Model::module_weight(std::int64_t layer, LoraModule m) {
   return L.q_w;
 }
 
-void Qwen2Model::merge_lora(const LoraAdapter& adapter, double sign) {
+void DecoderModel::merge_lora(const LoraAdapter& adapter, double sign) {
   const double s = adapter.config().scaling() * sign;
   for (std::int64_t l = 0; l < adapter.n_layers(); ++l)
     for (int mi = 0; mi < kNumLoraModules; ++mi) {
@@ -428,7 +459,7 @@ void Qwen2Model::merge_lora(const LoraAdapter& adapter, double sign) {
     }
 }
 
-NamedTensors Qwen2Model::named_weights() const {
+NamedTensors DecoderModel::named_weights() const {
   NamedTensors out;
   out.emplace_back("model.embed_tokens.weight", embed_);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
@@ -436,11 +467,13 @@ NamedTensors Qwen2Model::named_weights() const {
     const Layer& L = layers_[i];
     out.emplace_back(p + "input_layernorm.weight", L.input_norm);
     out.emplace_back(p + "self_attn.q_proj.weight", L.q_w);
-    out.emplace_back(p + "self_attn.q_proj.bias", L.q_b);
+    if (L.q_b.defined()) out.emplace_back(p + "self_attn.q_proj.bias", L.q_b);
     out.emplace_back(p + "self_attn.k_proj.weight", L.k_w);
-    out.emplace_back(p + "self_attn.k_proj.bias", L.k_b);
+    if (L.k_b.defined()) out.emplace_back(p + "self_attn.k_proj.bias", L.k_b);
     out.emplace_back(p + "self_attn.v_proj.weight", L.v_w);
-    out.emplace_back(p + "self_attn.v_proj.bias", L.v_b);
+    if (L.v_b.defined()) out.emplace_back(p + "self_attn.v_proj.bias", L.v_b);
+    if (L.q_norm.defined()) out.emplace_back(p + "self_attn.q_norm.weight", L.q_norm);
+    if (L.k_norm.defined()) out.emplace_back(p + "self_attn.k_norm.weight", L.k_norm);
     out.emplace_back(p + "self_attn.o_proj.weight", L.o_w);
     out.emplace_back(p + "post_attention_layernorm.weight", L.post_norm);
     out.emplace_back(p + "mlp.gate_proj.weight", L.gate_w);
@@ -452,7 +485,7 @@ NamedTensors Qwen2Model::named_weights() const {
   return out;
 }
 
-NamedTensors random_weights(const Qwen2Config& cfg, std::uint64_t seed, c10::ScalarType dtype,
+NamedTensors random_weights(const ModelConfig& cfg, std::uint64_t seed, c10::ScalarType dtype,
                             double std) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -468,12 +501,17 @@ NamedTensors random_weights(const Qwen2Config& cfg, std::uint64_t seed, c10::Sca
   for (std::int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     out.emplace_back(p + "input_layernorm.weight", normal({d}, 1.0, 0.1));
+    // The draws of a qwen2 model come in the order they always did (same seed, same weights).
     out.emplace_back(p + "self_attn.q_proj.weight", normal({qd, d}, 0, std));
-    out.emplace_back(p + "self_attn.q_proj.bias", normal({qd}, 0, std));
+    if (cfg.attention_bias) out.emplace_back(p + "self_attn.q_proj.bias", normal({qd}, 0, std));
     out.emplace_back(p + "self_attn.k_proj.weight", normal({kvd, d}, 0, std));
-    out.emplace_back(p + "self_attn.k_proj.bias", normal({kvd}, 0, std));
+    if (cfg.attention_bias) out.emplace_back(p + "self_attn.k_proj.bias", normal({kvd}, 0, std));
     out.emplace_back(p + "self_attn.v_proj.weight", normal({kvd, d}, 0, std));
-    out.emplace_back(p + "self_attn.v_proj.bias", normal({kvd}, 0, std));
+    if (cfg.attention_bias) out.emplace_back(p + "self_attn.v_proj.bias", normal({kvd}, 0, std));
+    if (cfg.qk_norm) {
+      out.emplace_back(p + "self_attn.q_norm.weight", normal({cfg.head_dim}, 1.0, 0.1));
+      out.emplace_back(p + "self_attn.k_norm.weight", normal({cfg.head_dim}, 1.0, 0.1));
+    }
     out.emplace_back(p + "self_attn.o_proj.weight", normal({d, qd}, 0, std));
     out.emplace_back(p + "post_attention_layernorm.weight", normal({d}, 1.0, 0.1));
     out.emplace_back(p + "mlp.gate_proj.weight", normal({I, d}, 0, std));
