@@ -3,7 +3,8 @@
 
 The same training step as lorasync's, written the way an ML engineer would in plain PyTorch:
 the Qwen2 decoder (RMSNorm, rotate-half RoPE, GQA with q/k/v bias, SwiGLU, tied or separate LM
-head) with rank-r LoRA on every linear layer, run over packed rows (several samples per row,
+head), or Qwen3's (no biases, q and k RMSNormed per head before RoPE) or Llama 3's (no biases, the
+llama3 RoPE scaling), as the model's config.json and weights say, with rank-r LoRA on every linear layer, run over packed rows (several samples per row,
 positions restarting per sample, causal attention that never crosses a sample) through
 `F.scaled_dot_product_attention` (one call per sample, or with --attention mask one call per row
 with a block-diagonal causal mask), the LM head only at the completion positions in chunks
@@ -57,6 +58,28 @@ ATTENTION = ("segments", "mask")
 HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+def rope_inv_freq(cfg, hd):
+    """1 / theta^(2i/hd), with Llama 3's frequency-dependent scaling when the config asks for it."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return inv
+    factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    out = []
+    for f, wl in zip(inv.tolist(), wavelen.tolist()):
+        if wl < old / hi:  # high frequency: kept
+            out.append(f)
+        elif wl > old / lo:  # low frequency: divided by the factor
+            out.append(f / factor)
+        else:  # between: interpolated
+            t = (old / wl - lo) / (hi - lo)
+            out.append((1 - t) * f / factor + t * f)
+    return torch.tensor(out, dtype=torch.float32)
+
+
 class Model:
     def __init__(self, cfg, w, rank, alpha, seed, attention="segments"):
         if attention not in ATTENTION:
@@ -71,8 +94,7 @@ class Model:
         self.eps = cfg["rms_norm_eps"]
         self.embed = w["model.embed_tokens.weight"]
         self.head = w.get("lm_head.weight", self.embed)
-        self.inv_freq = 1.0 / (cfg.get("rope_theta", 10000.0) **
-                               (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
+        self.inv_freq = rope_inv_freq(cfg, self.hd)
         self.scaling = alpha / rank
         g = torch.Generator().manual_seed(seed)
         self.lora = {}
@@ -132,8 +154,13 @@ class Model:
         h = F.embedding(tokens, self.embed)
         for l in range(self.n_layers):
             x = self.rms_norm(h, self.w[f"model.layers.{l}.input_layernorm.weight"])
-            q = self.rope(self.linear(x, l, "q_proj").view(T, self.nh, self.hd), cos, sin)
-            k = self.rope(self.linear(x, l, "k_proj").view(T, self.nkv, self.hd), cos, sin)
+            q = self.linear(x, l, "q_proj").view(T, self.nh, self.hd)
+            k = self.linear(x, l, "k_proj").view(T, self.nkv, self.hd)
+            qn = self.w.get(f"model.layers.{l}.self_attn.q_norm.weight")
+            if qn is not None:  # Qwen3
+                q = self.rms_norm(q, qn)
+                k = self.rms_norm(k, self.w[f"model.layers.{l}.self_attn.k_norm.weight"])
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
             v = self.linear(x, l, "v_proj").view(T, self.nkv, self.hd)
             h = h + self.linear(self.attend(q, k, v, segments, mask), l, "o_proj")
             x = self.rms_norm(h, self.w[f"model.layers.{l}.post_attention_layernorm.weight"])

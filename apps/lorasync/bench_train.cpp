@@ -41,6 +41,7 @@ namespace {
 
 struct BenchTrainOptions {
   std::string preset = "small";
+  std::string arch;  // "" = the preset's family
   std::int64_t samples = 32;
   std::int64_t prompt_tokens = 120;
   std::int64_t max_completion = 600;
@@ -166,6 +167,7 @@ int run(const BenchTrainOptions& o) {
     throw_invalid("--baseline pytorch runs on the CPU in float32: use --device cpu and --dtype auto or float32");
   if (o.baseline != "none") baseline_malloc_env(o.baseline_malloc);  // the name is checked before the long set-up
   auto cfg = model::ModelConfig::preset(o.preset);
+  if (!o.arch.empty()) cfg = cfg.as_family(model::parse_family(o.arch));
 
   // The samples (prompt of --prompt-tokens, completion in [1, --max-completion]) and their rows.
   std::mt19937 rng(3);
@@ -293,7 +295,7 @@ int run(const BenchTrainOptions& o) {
   const double rss = peak_rss_mib();
   const double tensor_peak_mib = meter ? static_cast<double>(meter->peak_bytes()) / (1 << 20) : 0.0;
   meter.reset();
-  nlohmann::json c = {{"preset", o.preset}, {"samples", o.samples}, {"rows", plan.rows.size()},
+  nlohmann::json c = {{"preset", o.preset}, {"family", model::family_name(cfg.family)}, {"samples", o.samples}, {"rows", plan.rows.size()},
                       {"row_tokens", o.row_tokens}, {"rank", o.rank}, {"threads", model::compute_threads()},
                       {"tokens_per_step", tokens}, {"completion_tokens_per_step", counted_completion},
                       {"rows_checksum", checksum}, {"logits_chunk", o.logits_chunk},
@@ -376,7 +378,9 @@ int run(const BenchTrainOptions& o) {
 void register_bench_train(CLI::App& bench, Registry& reg) {
   auto o = std::make_shared<BenchTrainOptions>();
   auto* sub = bench.add_subcommand("train", "LoRA forward+backward on packed rows (trainer compute)");
-  sub->add_option("--preset", o->preset, "tiny|small|qwen2.5-1.5b-shape")->capture_default_str();
+  sub->add_option("--preset", o->preset, "tiny|small|qwen2.5-1.5b-shape|qwen3-1.7b-shape|llama3.2-1b-shape|...")
+      ->capture_default_str();
+  sub->add_option("--arch", o->arch, "qwen2|qwen3|llama3: the preset's shape as that family (ModelConfig::as_family)");
   sub->add_option("--samples", o->samples, "samples per step")->capture_default_str();
   sub->add_option("--prompt-tokens", o->prompt_tokens, "prompt tokens per sample")->capture_default_str();
   sub->add_option("--max-completion", o->max_completion, "completion tokens drawn in [1, this]")->capture_default_str();

@@ -34,6 +34,7 @@ std::vector<Binding> bindings(TrainConfig& c) {
       {"data", "answer_key", &c.data.answer_key}, {"data", "prompt_format", &c.data.prompt_format},
       {"data", "system_prompt", &c.data.system_prompt}, {"data", "max_prompt_tokens", &c.data.max_prompt_tokens},
       {"data", "shuffle", &c.data.shuffle}, {"data", "epochs", &c.data.epochs},
+      {"data", "enable_thinking", &c.data.enable_thinking},
       {"generation", "server_url", &c.generation.server_url}, {"generation", "request_mode", &c.generation.request_mode},
       {"generation", "max_new_tokens", &c.generation.max_new_tokens}, {"generation", "context_len", &c.generation.context_len},
       {"generation", "temperature", &c.generation.temperature}, {"generation", "top_p", &c.generation.top_p},

@@ -35,6 +35,7 @@ struct TrainConfig {
     std::int64_t max_prompt_tokens = 1024;
     bool shuffle = true;
     std::int64_t epochs = 0;
+    bool enable_thinking = true;  // prompt_format "qwen3": false pre-fills an empty <think> block
   } data;
   struct Generation {
     std::string server_url = "http://127.0.0.1:8000", request_mode = "group";

@@ -118,7 +118,9 @@ std::string render_prompt(const std::string& problem, const DatasetOptions& opt)
     std::vector<tok::ChatMessage> msgs;
     if (!opt.system_prompt.empty()) msgs.push_back({"system", opt.system_prompt});
     msgs.push_back({"user", problem});
-    return tok::render_chat(tok::parse_chat_format(opt.prompt_format, opt.prompt_format_setting), msgs);
+    tok::ChatOptions co;
+    co.enable_thinking = opt.enable_thinking;
+    return tok::render_chat(tok::parse_chat_format(opt.prompt_format, opt.prompt_format_setting), msgs, co);
   }
   throw_invalid("{} = {:?} is not one of chatml, qwen3, llama3, raw", opt.prompt_format_setting, opt.prompt_format);
 }

@@ -33,6 +33,7 @@ namespace lorasync::rl {
 struct DatasetOptions {
   std::string problem_key = "problem", answer_key = "answer";  // JSON field names
   std::string prompt_format = "chatml";  // "chatml" | "qwen3" | "llama3" | "raw"
+  bool enable_thinking = true;           // qwen3: false pre-fills an empty <think> block
   std::string system_prompt = "Please reason step by step, and put your final answer within \\boxed{}.";
   std::int64_t max_prompt_tokens = 1024;  // longer prompts are skipped (counted)
   // How error messages name the settings at fault: the trainer's config keys by default; a CLI

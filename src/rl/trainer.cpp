@@ -121,6 +121,7 @@ void Trainer::load_model_and_data() {
   dopt.problem_key = cfg_.data.problem_key;
   dopt.answer_key = cfg_.data.answer_key;
   dopt.prompt_format = cfg_.data.prompt_format;
+  dopt.enable_thinking = cfg_.data.enable_thinking;
   dopt.system_prompt = cfg_.data.system_prompt;
   dopt.max_prompt_tokens = cfg_.data.max_prompt_tokens;
   try {

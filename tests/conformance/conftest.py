@@ -59,6 +59,46 @@ def make_model(tmp: Path, name="model", seed=1, init_std=0.08, tokenizer="none",
     return out
 
 
+def lorasync_logits(tmp: Path, model, items, adapter=None):
+    """`lorasync logprobs --logits-out` on {prompt_ids, completion_ids} rows: (per-row fp32 logits
+    over prompt + completion, per-row completion logprobs)."""
+    from safetensors.torch import load_file
+    inp = tmp / "rows.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in items))
+    out = tmp / "logits.safetensors"
+    args = ["logprobs", "--model", model, "--input", inp, "--logits-out", out, "--threads", 2]
+    if adapter:
+        args += ["--adapter", adapter]
+    p = lorasync(*args)
+    lps = [json.loads(line)["logprobs"] for line in p.stdout.splitlines() if line.strip()]
+    logits = load_file(str(out))
+    return [logits[f"logits.{i}"] for i in range(len(items))], lps
+
+
+def torch_logits(model, items):
+    """The same figures from a transformers / PEFT model, one forward per row."""
+    import torch
+    res_logits, res_lps = [], []
+    with torch.no_grad():
+        for r in items:
+            logits = model(torch.tensor([r["prompt_ids"] + r["completion_ids"]])).logits[0].float()
+            res_logits.append(logits)
+            P = len(r["prompt_ids"])
+            logp = torch.log_softmax(logits, -1)
+            res_lps.append([logp[P - 1 + t, tok].item() for t, tok in enumerate(r["completion_ids"])])
+    return res_logits, res_lps
+
+
+def compare_logits(name, a, b, tol=1e-4):
+    """Both (logits, logprobs) pairs agree within tol; the figure is recorded either way."""
+    (la, pa), (lb, pb) = a, b
+    d_logits = max((x - y).abs().max().item() for x, y in zip(la, lb))
+    d_lps = max(abs(x - y) for u, v in zip(pa, pb) for x, y in zip(u, v))
+    figure(name, d_logits, max_abs_logprob_diff=d_lps, tolerance=tol)
+    assert d_logits <= tol, f"{name}: logits differ by {d_logits}"
+    assert d_lps <= tol, f"{name}: logprobs differ by {d_lps}"
+
+
 class Server:
     """A `lorasync serve` or `lorasync proxy` child on a free port of 127.0.0.1."""
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED, figure, lorasync, make_model, serve
+from conftest import SHARED, compare_logits, figure, lorasync, lorasync_logits, make_model, serve, torch_logits
 
 TOL = 1e-4
 GRAD_RTOL = 1e-5  # of the largest gradient (sums over many tokens reach tens; fp32 ulps scale with them)
@@ -86,36 +86,10 @@ def write_rows(tmp, items):
     return inp
 
 
-def ours(tmp, model, items, adapter=None):
-    out = tmp / "logits.safetensors"
-    args = ["logprobs", "--model", model, "--input", write_rows(tmp, items), "--logits-out", out, "--threads", 2]
-    if adapter:
-        args += ["--adapter", adapter]
-    p = lorasync(*args)
-    lps = [json.loads(line)["logprobs"] for line in p.stdout.splitlines() if line.strip()]
-    logits = load_file(str(out))
-    return [logits[f"logits.{i}"] for i in range(len(items))], lps
 
 
-def theirs(model, items):
-    res_logits, res_lps = [], []
-    with torch.no_grad():
-        for r in items:
-            logits = model(torch.tensor([r["prompt_ids"] + r["completion_ids"]])).logits[0].float()
-            res_logits.append(logits)
-            P = len(r["prompt_ids"])
-            logp = torch.log_softmax(logits, -1)
-            res_lps.append([logp[P - 1 + t, tok].item() for t, tok in enumerate(r["completion_ids"])])
-    return res_logits, res_lps
 
 
-def compare(name, a, b):
-    (la, pa), (lb, pb) = a, b
-    d_logits = max((x - y).abs().max().item() for x, y in zip(la, lb))
-    d_lps = max(abs(x - y) for u, v in zip(pa, pb) for x, y in zip(u, v))
-    figure(name, d_logits, max_abs_logprob_diff=d_lps, tolerance=TOL)
-    assert d_logits <= TOL, f"{name}: logits differ by {d_logits}"
-    assert d_lps <= TOL, f"{name}: logprobs differ by {d_lps}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -126,7 +100,7 @@ def test_base_model_matches_transformers(tmp, case):
     if "rope" in case:  # the scaling is really in use: transformers' inv_freq is not the plain one
         plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
         assert not torch.allclose(hf.model.rotary_emb.inv_freq.float(), plain)
-    compare(f"transformers_{case}", ours(tmp, model, items), theirs(hf, items))
+    compare_logits(f"transformers_{case}", lorasync_logits(tmp, model, items), torch_logits(hf, items))
 
 
 def peft_adapter(tmp, model, targets, rank=4, alpha=16, seed=0):
@@ -146,7 +120,7 @@ def test_peft_adapter_logits_and_gradients_match(tmp, case):
     pm, adapter = peft_adapter(tmp, model, "all-linear")
     items = rows(13, 512)
     pm.eval()
-    compare(f"lorasync_loads_peft_adapter_{case}", ours(tmp, model, items, adapter), theirs(pm, items))
+    compare_logits(f"lorasync_loads_peft_adapter_{case}", lorasync_logits(tmp, model, items, adapter), torch_logits(pm, items))
 
     # One step's gradients: d(sum of completion logprobs)/d(A, B), ours against PEFT's autograd.
     grads = tmp / "grads.safetensors"
@@ -207,7 +181,7 @@ def test_init_model_arch_loads_in_transformers(tmp, arch):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == ("llama" if arch == "llama3" else "qwen3")
     items = rows(3, 512, n=2)
-    compare(f"init_model_arch_{arch}", ours(tmp, out, items), theirs(hf_model(out), items))
+    compare_logits(f"init_model_arch_{arch}", lorasync_logits(tmp, out, items), torch_logits(hf_model(out), items))
 
 
 def test_unknown_model_type_is_refused_naming_the_supported_ones(tmp):

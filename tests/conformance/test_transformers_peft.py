@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import SHARED, figure, lorasync, make_model, serve
+from conftest import SHARED, compare_logits, figure, lorasync, lorasync_logits, make_model, serve, torch_logits
 
 TOL = 1e-4
 torch.set_num_threads(2)
@@ -35,39 +34,10 @@ def rows(seed, vocab, n=3):
     return out
 
 
-def ours(tmp, model, items, adapter=None):
-    inp = tmp / "rows.jsonl"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in items))
-    out = tmp / "logits.safetensors"
-    args = ["logprobs", "--model", model, "--input", inp, "--logits-out", out, "--threads", 2]
-    if adapter:
-        args += ["--adapter", adapter]
-    p = lorasync(*args)
-    lps = [json.loads(line)["logprobs"] for line in p.stdout.splitlines() if line.strip()]
-    logits = load_file(str(out))
-    return [logits[f"logits.{i}"] for i in range(len(items))], lps
 
 
-def theirs(model, items):
-    res_logits, res_lps = [], []
-    with torch.no_grad():
-        for r in items:
-            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
-            logits = model(ids).logits[0].float()
-            res_logits.append(logits)
-            P = len(r["prompt_ids"])
-            logp = torch.log_softmax(logits, -1)
-            res_lps.append([logp[P - 1 + t, tok].item() for t, tok in enumerate(r["completion_ids"])])
-    return res_logits, res_lps
 
 
-def compare(name, a, b):
-    (la, pa), (lb, pb) = a, b
-    d_logits = max((x - y).abs().max().item() for x, y in zip(la, lb))
-    d_lps = max(abs(x - y) for u, v in zip(pa, pb) for x, y in zip(u, v))
-    figure(name, d_logits, max_abs_logprob_diff=d_lps, tolerance=TOL)
-    assert d_logits <= TOL, f"{name}: logits differ by {d_logits}"
-    assert d_lps <= TOL, f"{name}: logprobs differ by {d_lps}"
 
 
 CASES = {
@@ -83,7 +53,7 @@ CASES = {
 def test_base_model_matches_transformers(tmp, case):
     model = make_model(tmp, seed=len(case), **CASES[case])
     items = rows(7, 512)
-    compare(f"transformers_qwen2_{case}", ours(tmp, model, items), theirs(hf_model(model), items))
+    compare_logits(f"transformers_qwen2_{case}", lorasync_logits(tmp, model, items), torch_logits(hf_model(model), items))
 
 
 @pytest.mark.parametrize("case", ["untied_gqa", "tied_gqa"])
@@ -95,10 +65,10 @@ def test_lorasync_adapter_loads_in_peft(tmp, case):
              "--b-std", 0.2, "--seed", 5)
     items = rows(11, 512)
     peft_model = PeftModel.from_pretrained(hf_model(model), str(adapter)).eval()
-    a, b = ours(tmp, model, items, adapter), theirs(peft_model, items)
-    compare(f"peft_loads_lorasync_adapter_{case}", a, b)
+    a, b = lorasync_logits(tmp, model, items, adapter), torch_logits(peft_model, items)
+    compare_logits(f"peft_loads_lorasync_adapter_{case}", a, b)
     # The adapter really changes the model (a zero B would pass trivially).
-    base = theirs(hf_model(model), items)
+    base = torch_logits(hf_model(model), items)
     delta = max((x - y).abs().max().item() for x, y in zip(b[0], base[0]))
     assert delta > 1e-3, f"the adapter changed the logits by only {delta}"
 
@@ -120,7 +90,7 @@ def test_peft_saved_adapter_loads_in_lorasync(tmp, targets):
     pm, adapter = peft_saved_adapter(tmp, model, targets)
     items = rows(13, 512)
     name = "all_linear" if targets == "all-linear" else "q_v"
-    compare(f"lorasync_loads_peft_adapter_{name}", ours(tmp, model, items, adapter), theirs(pm, items))
+    compare_logits(f"lorasync_loads_peft_adapter_{name}", lorasync_logits(tmp, model, items, adapter), torch_logits(pm, items))
 
 
 def test_peft_saved_adapter_served_by_lorasync_serve(tmp):

@@ -293,6 +293,8 @@ ModelConfig ModelConfig::as_family(ModelFamily f) const {
 ModelConfig ModelConfig::preset(const std::string& name) {
   if (name == "qwen3-tiny") return preset("tiny").as_family(ModelFamily::kQwen3);
   if (name == "llama3-tiny") return preset("tiny").as_family(ModelFamily::kLlama);
+  if (name == "qwen3-small") return preset("small").as_family(ModelFamily::kQwen3);
+  if (name == "llama3-small") return preset("small").as_family(ModelFamily::kLlama);
   if (name == "qwen3-1.7b-shape" || name == "qwen3-shape") {
     // Qwen3-1.7B: 28 layers, hidden 2048, MLP 6144, 16/8 heads of 128, tied, theta 1e6.
     ModelConfig c = preset("qwen2.5-1.5b-shape").as_family(ModelFamily::kQwen3);
@@ -358,8 +360,8 @@ ModelConfig ModelConfig::preset(const std::string& name) {
     c.torch_dtype = "bfloat16";
   } else {
     throw_invalid(
-        "unknown model preset '{}' (known: tiny, small, qwen2.5-1.5b-shape, qwen3-tiny, qwen3-1.7b-shape, "
-        "llama3-tiny, llama3.2-1b-shape)",
+        "unknown model preset '{}' (known: tiny, small, qwen2.5-1.5b-shape, qwen3-tiny, qwen3-small, "
+        "qwen3-1.7b-shape, llama3-tiny, llama3-small, llama3.2-1b-shape)",
         name);
   }
   return c;

@@ -53,6 +53,15 @@ TEST(Dataset, ChatmlPromptIsTheSpecTemplate) {
   EXPECT_EQ(render_prompt("Q", o), "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n");
   o.prompt_format = "raw";
   EXPECT_EQ(render_prompt("What is $1+1$?", o), "What is $1+1$?");
+  // The other families' formats (core/tokenizer/chat_template.h).
+  o.prompt_format = "qwen3";
+  o.enable_thinking = false;
+  EXPECT_EQ(render_prompt("Q", o), "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  o.prompt_format = "llama3";
+  o.system_prompt = "S";
+  EXPECT_EQ(render_prompt("Q", o),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nQ<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
   o.prompt_format = "alpaca";
   try {
     render_prompt("Q", o);
