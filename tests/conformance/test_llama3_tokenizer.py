@@ -5,8 +5,8 @@ Llama 3's tokenizer.json is:
 - model BPE, byte_fallback false, ignore_merges true (a piece that is a whole vocabulary entry
   is one token, whatever the merges would make of it);
 - no normalizer; pre_tokenizer Sequence[Split(Llama 3's regex, Isolated), ByteLevel(
-  add_prefix_space=False, use_regex=False)]: a pattern other than Qwen2's and GPT-2's, so
-  lorasync runs it through its generic regex path (PCRE2), with `\\p{N}{1,3}` digit groups;
+  add_prefix_space=False, use_regex=False)]: Llama 3's exact pattern, which lorasync recognises
+  and runs on its Unicode 16 scanner (Qwen2's with `\\p{N}{1,3}` digit groups);
 - decoder ByteLevel; post_processor Sequence[ByteLevel, TemplateProcessing] that prepends
   <|begin_of_text|>;
 - special added tokens <|begin_of_text|>, <|end_of_text|>, <|start_header_id|>,
@@ -29,6 +29,10 @@ A code point sweep then checks the pre-tokenizer's character classes (\\p{L}, \\
 case-insensitive contractions) on every code point of planes 0-3 and 14, through a second
 tokenizer whose merges make every piece boundary visible in the ids (like the C++ test's sweep
 of the Qwen2 pattern, which compares pieces directly).
+
+Last, `lorasync serve` with that tokenizer and Meta-Llama-3-Instruct's chat template in its
+tokenizer_config.json renders chat prompts (its /tokenize with messages) with the ids
+transformers' apply_chat_template gives.
 """
 import json
 import random
@@ -405,3 +409,52 @@ def test_code_point_sweep(tmp):
         pytest.fail(f"{len(bad)} of {len(units)} sweep units ({len(bad_cps)} code points in "
                     f"{len(ranges)} ranges) differ from HF:\n" + "\n".join(shown[:12]) +
                     f"\ncode points: {listed}" + (" ..." if len(ranges) > 40 else ""))
+
+
+# Meta-Llama-3-Instruct's chat template (the 3.0 one: no default system message), as Jinja: what
+# transformers' apply_chat_template renders, against lorasync serve's llama3 chat format.
+LLAMA3_JINJA = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + "
+    "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def test_serve_chat_renders_llama3_as_transformers_does(llama3, tmp):
+    """serve detects the llama3 format from tokenizer_config.json's chat_template, and its chat
+    prompt's ids (its /tokenize with messages) equal transformers' apply_chat_template with the
+    same template and tokenizer."""
+    import urllib.request
+    from transformers import PreTrainedTokenizerFast
+    from conftest import make_model, serve
+    tok_dir = tmp / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text((llama3["dir"] / "tokenizer.json").read_text(encoding="utf-8"),
+                                            encoding="utf-8")
+    cfg = json.loads((llama3["dir"] / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = LLAMA3_JINJA
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    vocab = llama3["hf"].get_vocab_size()
+    model = make_model(tmp, seed=2, tokenizer=tok_dir, vocab_size=vocab, architectures=["LlamaForCausalLM"],
+                       model_type="llama", attention_bias=False)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    conversations = [
+        [{"role": "user", "content": "What is 12 * 7?"}],
+        [{"role": "system", "content": "  Reason step by step.\n"}, {"role": "user", "content": "Solve 3x = 12."},
+         {"role": "assistant", "content": "x = 4"}, {"role": "user", "content": "And 5x = 12?"}],
+    ]
+    srv = serve(model, "--served-model-name", "tiny")
+    try:
+        for msgs in conversations:
+            req = urllib.request.Request(srv.url + "/tokenize", data=json.dumps({"model": "tiny", "messages": msgs}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                ours = json.loads(r.read())["tokens"]
+            want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if not isinstance(want, list):  # transformers 5 returns a BatchEncoding
+                want = want["input_ids"]
+            assert ours == list(want), f"chat prompt ids differ for {msgs}:\nours   {ours}\ntheirs {list(want)}"
+        figure("serve_llama3_chat_template_identical_ids", 1.0, conversations=len(conversations))
+    finally:
+        srv.stop()
