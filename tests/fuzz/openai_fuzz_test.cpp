@@ -20,9 +20,9 @@ const tok::Tokenizer& tokenizer() {
   return t;
 }
 
-void check(const std::string& body, bool chat) {
+void check_one(const std::string& body, bool chat, tok::ChatFormat format) {
   try {
-    auto r = chat ? parse_chat(body, tokenizer()) : parse_completion(body, tokenizer());
+    auto r = chat ? parse_chat(body, tokenizer(), format) : parse_completion(body, tokenizer());
     ASSERT_FALSE(r.prompts.empty());
     for (const auto& p : r.prompts) ASSERT_FALSE(p.empty());
     ASSERT_GE(r.params.n, 1);
@@ -31,12 +31,19 @@ void check(const std::string& body, bool chat) {
   }
 }
 
+// A chat body in every chat format (ChatML, Qwen3's thinking split, Llama 3's headers).
+void check(const std::string& body, bool chat) {
+  if (!chat) return check_one(body, false, tok::ChatFormat::kChatml);
+  for (auto f : {tok::ChatFormat::kChatml, tok::ChatFormat::kQwen3, tok::ChatFormat::kLlama3}) check_one(body, true, f);
+}
+
 TEST(OpenAiParserFuzz, MutatedBodies) {
   const std::vector<std::string> seeds = {
       R"({"model": "m", "prompt": "Hello <|im_end|> world", "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"], "n": 2, "logprobs": 1, "seed": 3, "stream": true})",
       R"({"model": "m", "prompt": [1, 2, 3], "return_token_ids": true, "stop_token_ids": [5], "ignore_eos": false, "top_k": 4, "min_p": 0.1})",
       R"({"model": "m", "prompt": [[1, 2], "text", [3]], "stream_options": {"include_usage": true}})",
       R"({"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3})",
+      R"({"model": "m", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nr</think>\n\na</think>b"}, {"role": "user", "content": " x "}], "chat_template_kwargs": {"enable_thinking": false}})",
   };
   const std::string alphabet = "{}[]\",:0123456789-eE.truefalsnul \\u<|>";
   std::mt19937 rng(7);
@@ -71,6 +78,10 @@ TEST(OpenAiParserFuzz, RandomBytesAndTypes) {
       std::string body = std::string(R"({"model": "m", "prompt": [1], )") + "\"" + field + "\": " + v + "}";
       check(body, false);
     }
+  for (const auto& v : values) {
+    check(std::string(R"({"model": "m", "messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": )") + v + "}", true);
+    check(std::string(R"({"model": "m", "messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": {"enable_thinking": )") + v + "}}", true);
+  }
 }
 
 }  // namespace

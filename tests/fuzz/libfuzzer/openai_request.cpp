@@ -1,5 +1,5 @@
-// libFuzzer: serve's request parsing (server/openai.h: parse_completion, parse_chat with the real
-// Qwen2 tokenizer and chat template). Only lorasync::Error (a 400/404 with a message) may come out;
+// libFuzzer: serve's request parsing (server/openai.h: parse_completion, and parse_chat in each chat
+// format, ChatML, Qwen3's and Llama 3's, with the real Qwen2 tokenizer). Only lorasync::Error (a 400/404 with a message) may come out;
 // anything else (a crash, another exception, a sanitizer report) is a finding.
 #include <cstdint>
 #include <cstdlib>
@@ -24,9 +24,14 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view body(reinterpret_cast<const char*>(data), size);
-  for (bool chat : {false, true}) {
+  using lorasync::tok::ChatFormat;
+  for (int mode = 0; mode < 4; ++mode) {
     try {
-      auto pc = chat ? lorasync::server::parse_chat(body, *tk) : lorasync::server::parse_completion(body, *tk);
+      auto pc = mode == 0 ? lorasync::server::parse_completion(body, *tk)
+                          : lorasync::server::parse_chat(body, *tk,
+                                                         mode == 1   ? ChatFormat::kChatml
+                                                         : mode == 2 ? ChatFormat::kQwen3
+                                                                     : ChatFormat::kLlama3);
       if (pc.prompts.empty()) std::abort();  // accepted with nothing to generate from
     } catch (const lorasync::Error& e) {
       if (std::string_view(e.what()).empty()) std::abort();
