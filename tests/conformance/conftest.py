@@ -59,6 +59,19 @@ def make_model(tmp: Path, name="model", seed=1, init_std=0.08, tokenizer="none",
     return out
 
 
+def random_rows(seed, vocab, n=3, completion_step=3):
+    """n {prompt_ids, completion_ids} rows of random ids in [3, vocab): prompts of 5 + 7i tokens,
+    completions of 4 + completion_step * i."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist()
+        c = torch.randint(3, vocab, (4 + completion_step * i,), generator=g).tolist()
+        out.append({"prompt_ids": p, "completion_ids": c})
+    return out
+
+
 def lorasync_logits(tmp: Path, model, items, adapter=None):
     """`lorasync logprobs --logits-out` on {prompt_ids, completion_ids} rows: (per-row fp32 logits
     over prompt + completion, per-row completion logprobs)."""

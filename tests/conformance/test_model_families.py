@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED, compare_logits, figure, lorasync, lorasync_logits, make_model, serve, torch_logits
+from conftest import SHARED, compare_logits, random_rows, figure, lorasync, lorasync_logits, make_model, serve, torch_logits
 
 TOL = 1e-4
 GRAD_RTOL = 1e-5  # of the largest gradient (sums over many tokens reach tens; fp32 ulps scale with them)
@@ -71,13 +71,7 @@ def build(tmp, case, seed=None, **extra):
 
 
 def rows(seed, vocab, n=3):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist()
-        c = torch.randint(3, vocab, (4 + 9 * i,), generator=g).tolist()
-        out.append({"prompt_ids": p, "completion_ids": c})
-    return out
+    return random_rows(seed, vocab, n, completion_step=9)
 
 
 def write_rows(tmp, items):

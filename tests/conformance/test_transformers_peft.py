@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED, compare_logits, figure, lorasync, lorasync_logits, make_model, serve, torch_logits
+from conftest import SHARED, compare_logits, random_rows, figure, lorasync, lorasync_logits, make_model, serve, torch_logits
 
 TOL = 1e-4
 torch.set_num_threads(2)
@@ -25,13 +25,7 @@ def hf_model(path):
 
 
 def rows(seed, vocab, n=3):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist()
-        c = torch.randint(3, vocab, (4 + 3 * i,), generator=g).tolist()
-        out.append({"prompt_ids": p, "completion_ids": c})
-    return out
+    return random_rows(seed, vocab, n, completion_step=3)
 
 
 
