@@ -75,7 +75,8 @@ struct ModelConfig {
   std::string to_json() const;
   // Presets: "tiny" (2 layers, hidden 64), "small" (~100M), "qwen2.5-1.5b-shape" (the real
   // Qwen2.5-Math-1.5B shape), "qwen3-1.7b-shape" (alias "qwen3-shape"), "llama3.2-1b-shape"
-  // (alias "llama3-shape"); "qwen3-tiny", "llama3-tiny" are tiny in that family. InvalidInput
+  // (alias "llama3-shape"); "qwen3-tiny", "qwen3-small", "llama3-tiny", "llama3-small" are tiny
+  // and small in that family. InvalidInput
   // for an unknown name.
   static ModelConfig preset(const std::string& name);
   // This shape as another family: qwen3 drops the biases and adds the q/k norms; llama drops the
