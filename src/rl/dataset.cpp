@@ -112,17 +112,15 @@ Row parse_row(std::string_view line_text, std::int64_t line, const std::string& 
 }  // namespace
 
 std::string render_prompt(const std::string& problem, const DatasetOptions& opt) {
-  if (opt.prompt_format == "chatml") return tok::chatml_prompt(opt.system_prompt, problem);
   if (opt.prompt_format == "raw") return problem;
-  if (opt.prompt_format == "qwen3" || opt.prompt_format == "llama3") {
-    std::vector<tok::ChatMessage> msgs;
-    if (!opt.system_prompt.empty()) msgs.push_back({"system", opt.system_prompt});
-    msgs.push_back({"user", problem});
-    tok::ChatOptions co;
-    co.enable_thinking = opt.enable_thinking;
-    return tok::render_chat(tok::parse_chat_format(opt.prompt_format, opt.prompt_format_setting), msgs, co);
-  }
-  throw_invalid("{} = {:?} is not one of chatml, qwen3, llama3, raw", opt.prompt_format_setting, opt.prompt_format);
+  if (opt.prompt_format != "chatml" && opt.prompt_format != "qwen3" && opt.prompt_format != "llama3")
+    throw_invalid("{} = {:?} is not one of chatml, qwen3, llama3, raw", opt.prompt_format_setting, opt.prompt_format);
+  std::vector<tok::ChatMessage> msgs;
+  if (!opt.system_prompt.empty()) msgs.push_back({"system", opt.system_prompt});
+  msgs.push_back({"user", problem});
+  tok::ChatOptions co;
+  co.enable_thinking = opt.enable_thinking;
+  return tok::render_chat(tok::parse_chat_format(opt.prompt_format, opt.prompt_format_setting), msgs, co);
 }
 
 Dataset index_dataset(std::int64_t n) {

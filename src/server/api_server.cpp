@@ -601,14 +601,12 @@ ApiServer::ApiServer(ServeOptions o) : impl_(std::make_unique<Impl>()) {
   auto device = model::parse_device(I.opt.device);
   auto dtype = model::parse_dtype(I.opt.dtype, device, "--dtype");
   I.model = model::DecoderModel::load(I.opt.model_dir, dtype, device);
-  I.tokenizer = std::make_shared<const tok::Tokenizer>(
-      tok::Tokenizer::load(I.opt.tokenizer.empty() ? I.opt.model_dir : I.opt.tokenizer));
-  {
-    const std::string tdir = I.opt.tokenizer.empty() ? I.opt.model_dir : I.opt.tokenizer;
-    I.chat_format = tok::chat_format_of_dir(std::filesystem::is_directory(tdir)
-                                                ? tdir
-                                                : std::filesystem::path(tdir).parent_path().string());
-  }
+  const std::string tok_path = I.opt.tokenizer.empty() ? I.opt.model_dir : I.opt.tokenizer;
+  I.tokenizer = std::make_shared<const tok::Tokenizer>(tok::Tokenizer::load(tok_path));
+  // tokenizer_config.json sits beside tokenizer.json (a file path names that file).
+  I.chat_format = tok::chat_format_of_dir(std::filesystem::is_directory(tok_path)
+                                              ? tok_path
+                                              : std::filesystem::path(tok_path).parent_path().string());
   I.base_sha256 = io::model_identity_sha256(I.opt.model_dir);
   engine::EngineOptions eo;
   eo.served_model_name = I.served_name;
