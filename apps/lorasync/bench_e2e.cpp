@@ -1,4 +1,5 @@
-// `lorasync bench e2e`: the demo's configuration (2 replicas, the proxy, the trainer, separate
+// `lorasync bench e2e`: time to accuracy against TRL (bench_e2e_race.cpp); with --transports, the
+// demo's configuration (2 replicas, the proxy, the trainer, separate
 // processes on this machine; demo.md) for a fixed number of steps, once per sync transport. From
 // each run's metrics.jsonl: steps/s, where a step's time goes (waiting for rollouts = generation
 // bound; forward/backward, recompute and optimizer = trainer bound; waiting for a weight sync),
@@ -11,6 +12,7 @@
 
 #include <fstream>
 
+#include "bench_e2e_race.h"
 #include "commands.h"
 #include "util/bench_report.h"
 #include "util/error.h"
@@ -124,11 +126,45 @@ int run(const BenchE2eOptions& o) {
 
 void register_bench_e2e(CLI::App& bench, Registry& reg) {
   auto o = std::make_shared<BenchE2eOptions>();
-  auto* sub = bench.add_subcommand("e2e", "the demo's configuration for a fixed number of steps, per sync transport");
-  sub->add_option("--steps", o->steps, "GRPO steps per run")->capture_default_str();
-  sub->add_option("--transports", o->transports, "path,push")->capture_default_str();
-  sub->add_option("--seed", o->seed)->capture_default_str();
-  reg.add(sub, [o] { return run(*o); });
+  auto r = std::make_shared<RaceOptions>();
+  auto* sub = bench.add_subcommand(
+      "e2e", "time to held-out accuracy: lorasync against TRL's async GRPO (same fleet) and TRL's GRPO (own generation); "
+             "with --transports, the demo's run per sync transport");
+  sub->add_option("--systems", r->systems, "lorasync, trl-async, trl-sync")->capture_default_str();
+  sub->add_option("--seeds", r->seeds, "one run of each system per seed")->capture_default_str();
+  sub->add_option("--budget-s", r->budget_s, "wall-time cap of each run (s)")->capture_default_str();
+  sub->add_option("--max-steps", r->max_steps, "step cap of each run")->capture_default_str();
+  sub->add_option("--target", r->target, "held-out accuracy to reach")->capture_default_str();
+  sub->add_option("--save-steps", r->save_steps, "adapter snapshot (evaluated afterwards) every N steps")->capture_default_str();
+  sub->add_option("--eval-problems", r->eval_problems, "held-out problems per evaluation")->capture_default_str();
+  sub->add_option("--eval-samples", r->eval_samples, "samples per held-out problem")->capture_default_str();
+  sub->add_option("--eval-temperature", r->eval_temperature, "sampling temperature of the evaluation")->capture_default_str();
+  sub->add_option("--demo-dir", r->demo_dir, "a make-demo-model folder (default: the demo's cached model, made when missing)");
+  sub->add_option("--model-seed", r->model_seed, "seed of the demo model")->capture_default_str();
+  sub->add_option("--model-steps", r->model_steps, "SFT steps of the demo model when it is made (0 = default)")->capture_default_str();
+  sub->add_option("--model", r->model, "any Hugging Face model directory instead of the demo's");
+  sub->add_option("--train-data", r->train_data, "training problems (JSONL: problem, answer) instead of the demo's");
+  sub->add_option("--heldout-data", r->heldout_data, "held-out problems instead of the demo's");
+  sub->add_option("--system-prompt", r->system_prompt, "system prompt instead of the demo's");
+  sub->add_option("--max-new-tokens", r->max_new_tokens, "completion cap instead of the demo's (0 = the demo's)");
+  sub->add_option("--num-generations", r->num_generations, "group size G")->capture_default_str();
+  sub->add_option("--samples-per-step", r->samples_per_step, "completions per optimizer step")->capture_default_str();
+  sub->add_option("--lora-rank", r->lora_rank)->capture_default_str();
+  sub->add_option("--lora-alpha", r->lora_alpha)->capture_default_str();
+  sub->add_option("--lr", r->lr, "learning rate")->capture_default_str();
+  sub->add_option("--temperature", r->temperature, "rollout temperature")->capture_default_str();
+  sub->add_option("--max-staleness", r->max_staleness, "in weight syncs (TRL gets it in steps)")->capture_default_str();
+  sub->add_option("--sync-every", r->sync_every, "optimizer steps between weight syncs")->capture_default_str();
+  sub->add_option("--lorasync-old-policy", r->lorasync_old_policy, "grpo.old_policy of the lorasync runs")
+      ->check(CLI::IsMember({"step_start", "recompute"}))
+      ->capture_default_str();
+  sub->add_option("--lorasync-set", r->lorasync_set, "KEY=VALUE passed to the lorasync runs' trainer as --set (repeatable)");
+  sub->add_option("--python", r->python, "the interpreter with TRL (default: the project's .venv)");
+  sub->add_option("--out", r->out, "report folder (report.json, summary.md, accuracy_vs_time.svg, runs/)")->capture_default_str();
+  auto* tr = sub->add_option("--transports", o->transports, "instead: the demo per sync transport (path,push)");
+  sub->add_option("--steps", o->steps, "with --transports: GRPO steps per run")->capture_default_str();
+  sub->add_option("--seed", o->seed, "with --transports: the demo's seed")->capture_default_str();
+  reg.add(sub, [o, r, tr] { return tr->count() ? run(*o) : run_race(*r); });
 }
 
 }  // namespace lorasync::cli

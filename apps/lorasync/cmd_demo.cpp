@@ -10,10 +10,7 @@
 // so it checkpoints, then the fleet) and PR_SET_PDEATHSIG (they die with the demo). A child that
 // dies unexpectedly stops the demo with its name, exit status and log path. `--resume` continues an
 // interrupted run from the trainer's last checkpoint with a fresh fleet.
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -34,8 +31,10 @@
 
 #include "commands.h"
 #include "demo/quality.h"
+#include "demo/train_config.h"
 #include "http/blocking_client.h"
 #include "report/report.h"
+#include "util/child_process.h"
 #include "util/error.h"
 #include "util/files.h"
 #include "util/process.h"
@@ -55,112 +54,12 @@ double now_s() { return std::chrono::duration<double>(Clock::now().time_since_ep
 
 std::string random_token() { return random_hex(16); }
 
-// One supervised child process.
-class Child {
+// A supervised child process (util/child_process.h) that the demo's Ctrl-C interrupts.
+class Child : public ChildProcess {
  public:
   Child(std::string name, std::vector<std::string> argv, const fs::path& dir, std::vector<std::string> env = {})
-      : name_(std::move(name)), out_(dir / (name_ + ".out")), log_(dir / (name_ + ".log")) {
-    argv_ = std::move(argv);
-    const int fo = ::open(out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    const int fe = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fo < 0 || fe < 0) throw_env("cannot create the log files of {} in {}", name_, dir.string());
-    const pid_t parent = ::getpid();
-    pid_ = ::fork();
-    if (pid_ < 0) throw_env("fork failed for {}", name_);
-    if (pid_ == 0) {
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (::getppid() != parent) ::_exit(1);
-      sigset_t none;
-      sigemptyset(&none);
-      ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      ::dup2(fo, 1);
-      ::dup2(fe, 2);
-      const int fi = ::open("/dev/null", O_RDONLY);
-      if (fi >= 0) ::dup2(fi, 0);
-      for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
-      std::vector<char*> args;
-      for (auto& a : argv_) args.push_back(a.data());
-      args.push_back(nullptr);
-      ::execv(args[0], args.data());
-      ::_exit(127);
-    }
-    ::close(fo);
-    ::close(fe);
-  }
-  ~Child() { stop(5.0); }
-
-  // The first line of stdout (JSON), waiting while the child lives.
-  json first_line(double timeout_s) {
-    const double t0 = now_s();
-    while (now_s() - t0 < timeout_s) {
-      std::error_code ec;
-      if (fs::exists(out_, ec)) {
-        const std::string text = read_file(out_);
-        const auto nl = text.find('\n');
-        if (nl != std::string::npos) return json::parse(text.substr(0, nl));
-      }
-      if (!alive()) break;
-      if (g_signal) throw Error(ErrorKind::kUnavailable, "interrupted");
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    throw Error(ErrorKind::kUnavailable, name_ + " did not start (" + status_text() + "); see " + log_.string());
-  }
-  bool alive() {
-    if (exited_) return false;
-    int st = 0;
-    const pid_t r = ::waitpid(pid_, &st, WNOHANG);
-    if (r == pid_) {
-      exited_ = true;
-      status_ = st;
-      return false;
-    }
-    return true;
-  }
-  // Waits for the exit; returns the exit code (128 + signal when killed).
-  int wait() {
-    if (!exited_) {
-      int st = 0;
-      while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
-        if (g_signal) ::kill(pid_, SIGTERM);
-      }
-      exited_ = true;
-      status_ = st;
-    }
-    return code();
-  }
-  int code() const { return WIFEXITED(status_) ? WEXITSTATUS(status_) : 128 + WTERMSIG(status_); }
-  std::string status_text() const {
-    if (!exited_) return "running";
-    if (WIFEXITED(status_)) return "exit status " + std::to_string(WEXITSTATUS(status_));
-    return "killed by signal " + std::to_string(WTERMSIG(status_));
-  }
-  void signal(int sig) {
-    if (alive()) ::kill(pid_, sig);
-  }
-  void stop(double grace_s) {
-    if (!alive()) return;
-    ::kill(pid_, SIGTERM);
-    const double t0 = now_s();
-    while (alive() && now_s() - t0 < grace_s) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    if (alive()) {
-      ::kill(pid_, SIGKILL);
-      wait();
-    }
-  }
-  const std::string& name() const { return name_; }
-  const fs::path& log() const { return log_; }
-  const fs::path& out() const { return out_; }
-
- private:
-  std::string name_;
-  fs::path out_, log_;
-  std::vector<std::string> argv_;
-  pid_t pid_ = -1;
-  bool exited_ = false;
-  int status_ = 0;
+      : ChildProcess(std::move(name), std::move(argv), dir, std::move(env), &g_signal) {}
+  json first_json(double timeout_s) { return json::parse(first_line(timeout_s)); }
 };
 
 // Runs a command to completion (logs in the run folder); throws with the log path on failure.
@@ -306,14 +205,14 @@ int run_demo(const DemoOptions& o) {
                                  "--device", o.device, "--dtype", "float32"},
         logs));
   }
-  for (auto& c : fleet) ports.push_back(static_cast<std::uint16_t>(c->first_line(60)["port"].get<int>()));
+  for (auto& c : fleet) ports.push_back(static_cast<std::uint16_t>(c->first_json(60)["port"].get<int>()));
   fleet.push_back(std::make_unique<Child>(
       "proxy",
       std::vector<std::string>{exe, "proxy", "--listen", "127.0.0.1:0", "--upstream", "http://127.0.0.1:" + std::to_string(ports[0]),
                                "--upstream", "http://127.0.0.1:" + std::to_string(ports[1]), "--upstream-token-env",
                                "LORASYNC_DEMO_UPSTREAM_TOKEN", "--api-key-env", "LORASYNC_DEMO_API_KEY", "--threads", "1"},
       logs, tok_env));
-  const std::string listen = fleet.back()->first_line(30)["listening"].get<std::string>();
+  const std::string listen = fleet.back()->first_json(30)["listening"].get<std::string>();
   const auto proxy_port = static_cast<std::uint16_t>(std::stoi(listen.substr(listen.rfind(':') + 1)));
   const std::string url = "http://" + listen;
   auto check_fleet = [&] {
@@ -346,22 +245,21 @@ int run_demo(const DemoOptions& o) {
   const std::int64_t G = 8;
   const std::string cfg_path = (run / "train.toml").string();
   if (!o.resume || !fs::exists(cfg_path)) {
-    std::ofstream f(cfg_path);
-    f << "run_name = \"lorasync-demo\"\n"
-      << "output_dir = \"" << run.string() << "\"\n"
-      << "seed = " << o.seed << "\nmax_steps = " << o.steps << "\n"
-      << "[model]\npath = \"" << (base / "model").string() << "\"\nserved_name = \"demo-base\"\ndevice = \"" << o.device << "\"\ndtype = \"fp32\"\nthreads = 1\n"
-      << "[lora]\nrank = 8\nalpha = 16.0\n"
-      << "[data]\ntrain_file = \"" << (base / "train.jsonl").string() << "\"\nsystem_prompt = " << json(system_prompt).dump()
-      << "\nmax_prompt_tokens = 200\n"
-      << "[generation]\nserver_url = \"" << url << "\"\nmax_new_tokens = " << max_new << "\ncontext_len = 512\nserver_wait_s = 60\n"
-      << "[grpo]\nnum_generations = " << G << "\nold_policy = \"recompute\"\ntis_cap = 2.0\nloss_agg = \"seq_sum_const\"\n"
-      << "[async]\nmax_inflight = 64\nqueue_maxsize = 128\nscore_workers = 2\nmax_staleness = " << o.max_staleness << "\n"
-      << "[batching]\nsamples_per_step = 32\nrow_tokens = 4096\nlogits_chunk = 512\n"
-      << "[optimizer]\nlr = " << o.lr << "\nmax_grad_norm = 1.0\n"
-      << "[sync]\nweight_sync_steps = 2\nadapter_retry_interval = 0.1\ntransport = \"" << o.sync_transport << "\"\n"
-      << "[checkpoint]\nsave_steps = 5\n"
-      << "[logging]\nmetrics_port = 0\nlog_every = 1\n";
+    demo::DemoTrainSettings ts;
+    ts.output_dir = run.string();
+    ts.seed = o.seed;
+    ts.max_steps = o.steps;
+    ts.model_path = (base / "model").string();
+    ts.device = o.device;
+    ts.train_file = (base / "train.jsonl").string();
+    ts.system_prompt = system_prompt;
+    ts.server_url = url;
+    ts.max_new_tokens = max_new;
+    ts.num_generations = G;
+    ts.lr = o.lr;
+    ts.max_staleness = o.max_staleness;
+    ts.sync_transport = o.sync_transport;
+    write_file_atomic(cfg_path, demo::demo_train_toml(ts));
   }
   say(std::string("[4/6] ") + (o.resume ? "resuming" : "running") + " async GRPO: " + std::to_string(o.steps) +
       " steps, G = 8, 32 samples per step, LoRA rank 8, sync every 2 steps, max_staleness 2 (log: " + (logs / "trainer.log").string() + ")");
