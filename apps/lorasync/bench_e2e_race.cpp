@@ -29,9 +29,10 @@
 #include "demo/train_config.h"
 #include "report/svg_chart.h"
 #include "util/bench_report.h"
-#include "util/child_process.h"
+#include "util/supervised_process.h"
 #include "util/error.h"
 #include "util/files.h"
+#include "util/json_lines.h"
 #include "util/log.h"
 #include "util/process.h"
 #include "util/strings.h"
@@ -50,18 +51,6 @@ double unix_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 double nan() { return std::nan(""); }
-
-std::vector<json> read_jsonl(const fs::path& p) {
-  std::vector<json> out;
-  std::ifstream f(p);
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty()) continue;
-    json j = json::parse(line, nullptr, false);
-    if (!j.is_discarded()) out.push_back(std::move(j));
-  }
-  return out;
-}
 
 double num(const json& j, const char* key) {
   return j.contains(key) && j[key].is_number() ? j[key].get<double>() : nan();

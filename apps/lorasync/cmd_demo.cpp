@@ -34,9 +34,10 @@
 #include "demo/train_config.h"
 #include "http/blocking_client.h"
 #include "report/report.h"
-#include "util/child_process.h"
+#include "util/supervised_process.h"
 #include "util/error.h"
 #include "util/files.h"
+#include "util/json_lines.h"
 #include "util/process.h"
 
 namespace lorasync::cli {
@@ -54,7 +55,7 @@ double now_s() { return std::chrono::duration<double>(Clock::now().time_since_ep
 
 std::string random_token() { return random_hex(16); }
 
-// A supervised child process (util/child_process.h) that the demo's Ctrl-C interrupts.
+// A supervised child process (util/supervised_process.h) that the demo's Ctrl-C interrupts.
 class Child : public ChildProcess {
  public:
   Child(std::string name, std::vector<std::string> argv, const fs::path& dir, std::vector<std::string> env = {})
@@ -97,18 +98,6 @@ double prom_value(const std::string& text, const std::string& name) {
   const auto pos = text.find("\n" + name + " ");
   if (pos == std::string::npos) return std::nan("");
   return std::strtod(text.c_str() + pos + name.size() + 2, nullptr);
-}
-
-std::vector<json> read_jsonl(const fs::path& p) {
-  std::vector<json> out;
-  std::ifstream f(p);
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty()) continue;
-    json j = json::parse(line, nullptr, false);
-    if (!j.is_discarded()) out.push_back(std::move(j));
-  }
-  return out;
 }
 
 double mean_of(const std::vector<json>& ms, const char* key, std::size_t from, std::size_t to) {

@@ -5,7 +5,9 @@
 #include "util/json_limits.h"
 #include "util/bench_report.h"
 #include "util/error.h"
+#include "util/supervised_process.h"
 #include "util/files.h"
+#include "util/json_lines.h"
 #include "util/sha256.h"
 #include "util/strings.h"
 
@@ -132,6 +134,37 @@ TEST(JsonLimits, NestingDepthIgnoresStringsAndStopsAtTheLimit) {
     }
     EXPECT_EQ(json_nesting_depth(s, 1000), deepest) << s;
   }
+}
+
+TEST(Jsonl, SkipsEmptyAndPartialLinesAndAMissingFile) {
+  TempDir dir("lorasync-jsonl");
+  EXPECT_TRUE(read_jsonl(dir.path() / "none.jsonl").empty());
+  write_file_atomic(dir.path() / "m.jsonl", "{\"step\": 1}\n\n{\"step\": 2}\n{\"step\": 3, \"lo");  // the last line is being written
+  const auto rows = read_jsonl(dir.path() / "m.jsonl");
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[1]["step"], 2);
+}
+
+TEST(ChildProcess, FirstLineExitStatusAndUsage) {
+  TempDir dir("lorasync-child");
+  ChildProcess ok("echo", {"/bin/sh", "-c", "echo '{\"port\": 5}'; exit 3"}, dir.path());
+  EXPECT_EQ(ok.first_line(30), "{\"port\": 5}");
+  EXPECT_EQ(ok.wait(), 3);
+  EXPECT_EQ(ok.status_text(), "exit status 3");
+  EXPECT_GT(ok.peak_rss_mb(), 0.0);
+  EXPECT_GE(ok.cpu_s(), 0.0);
+  ChildProcess quiet("quiet", {"/bin/sh", "-c", "echo oops >&2; exit 1"}, dir.path());
+  try {
+    quiet.first_line(30);
+    FAIL() << "no first line, yet no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("quiet did not start (exit status 1)"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(read_file(dir.path() / "quiet.log"), "oops\n");
+  ChildProcess sleeper("sleeper", {"/bin/sleep", "60"}, dir.path());
+  sleeper.stop(5);
+  EXPECT_EQ(sleeper.code(), 128 + 15);
+  EXPECT_EQ(sleeper.status_text(), "killed by signal 15");
 }
 
 }  // namespace

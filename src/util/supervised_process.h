@@ -1,4 +1,4 @@
-// util/child_process.h: a supervised child process (`lorasync demo`, `lorasync bench e2e`).
+// util/supervised_process.h: a supervised child process (`lorasync demo`, `lorasync bench e2e`).
 //
 // The child gets its own process group (a Ctrl-C reaches the parent, which decides what to stop),
 // PR_SET_PDEATHSIG (it dies with the parent), stdin from /dev/null, stdout to DIR/NAME.out and

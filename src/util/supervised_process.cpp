@@ -1,4 +1,4 @@
-#include "util/child_process.h"
+#include "util/supervised_process.h"
 
 #include <fcntl.h>
 #include <signal.h>
