@@ -13,10 +13,10 @@ struct RaceOptions {
   std::string systems = "lorasync,trl-async,trl-sync";
   std::string seeds = "1,2,3";
   double budget_s = 900;          // wall-time cap of each run
-  std::int64_t max_steps = 400;   // step cap of each run
+  std::int64_t max_steps = 160;   // step cap of each run (the demo's)
   double target = 0.7;            // held-out accuracy to reach
-  std::int64_t save_steps = 4;    // adapter snapshot every N steps (each evaluated afterwards)
-  std::int64_t eval_problems = 256, eval_samples = 4;
+  std::int64_t save_steps = 8;    // adapter snapshot every N steps (each evaluated afterwards)
+  std::int64_t eval_problems = 256, eval_samples = 2;
   double eval_temperature = 1.0;  // the demo's evaluation (its base model boxes 40 % of answers)
   // The task: the demo's (made and cached as `lorasync demo` does), or any model and data by flag.
   std::string demo_dir;           // a make-demo-model folder (default: the demo's cache)
