@@ -45,7 +45,7 @@ CPU_KERNEL = HERE.parent / "tests" / "conformance" / "trl_async" / "cpu_flash_at
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["async", "sync"], required=True)
-    p.add_argument("--model", required=True, help="Hugging Face model directory (config, weights, tokenizer)")
+    p.add_argument("--model", help="Hugging Face model directory (config, weights, tokenizer)")
     p.add_argument("--prepare-model", metavar="SRC",
                    help="only write OUTPUT_DIR/model: SRC's files with Qwen2.5's chat template, checked to render "
                         "the prompts lorasync trains on (ChatML), then exit")
@@ -140,14 +140,16 @@ def main():
     args = parse_args()
     if args.prepare_model:
         return prepare_model(args)
+    if not args.model:
+        raise SystemExit("--model is required (unless --prepare-model)")
     out = Path(args.output_dir)
     (out / "adapters").mkdir(parents=True, exist_ok=True)
     timeline = (out / "timeline.jsonl").open("a", buffering=1)
 
-    def record(event, **fields):
-        timeline.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+    def record(event, t=None, **fields):
+        timeline.write(json.dumps({"event": event, "time": time.time() if t is None else t, **fields}) + "\n")
 
-    timeline.write(json.dumps({"event": "start", "time": T0, "mode": args.mode}) + "\n")
+    record("start", t=T0, mode=args.mode)
     if args.mode == "async":
         os.environ["LOCAL_KERNELS"] = f"kernels-community/flash-attn3={CPU_KERNEL}"
 
@@ -173,8 +175,7 @@ def main():
             if d.exists():
                 return
             model.save_pretrained(str(d))
-            timeline.write(json.dumps({"event": "adapter", "time": t, "step": state.global_step, "dir": str(d),
-                                       "save_s": time.time() - t}) + "\n")
+            record("adapter", t=t, step=state.global_step, dir=str(d), save_s=time.time() - t)
 
         def on_step_end(self, _args, state, control, model=None, **_kwargs):
             if state.global_step % args.save_steps == 0:
@@ -189,7 +190,7 @@ def main():
 
         def on_log(self, _args, state, _control, logs=None, **_kwargs):
             if logs:
-                fields = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and k not in ("event", "time")}
+                fields = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and k not in ("event", "time", "t")}
                 fields["step"] = state.global_step
                 record("log", **fields)
 

@@ -4,22 +4,18 @@
 // each run's metrics.jsonl: steps/s, where a step's time goes (waiting for rollouts = generation
 // bound; forward/backward, recompute and optimizer = trainer bound; waiting for a weight sync),
 // and the sync's share of the wall time. Baseline (same run): the path transport's figures.
-#include <fcntl.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <nlohmann/json.hpp>
-
-#include <fstream>
 
 #include "bench_e2e_race.h"
 #include "commands.h"
 #include "util/bench_report.h"
 #include "util/error.h"
 #include "util/files.h"
+#include "util/json_lines.h"
 #include "util/log.h"
 #include "util/process.h"
 #include "util/strings.h"
+#include "util/supervised_process.h"
 
 namespace lorasync::cli {
 
@@ -33,36 +29,6 @@ struct BenchE2eOptions {
   std::int64_t seed = 1;
 };
 
-std::vector<json> read_metrics(const fs::path& f) {
-  std::vector<json> out;
-  std::ifstream in(f);
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) out.push_back(json::parse(line));
-  return out;
-}
-
-int run_child(const std::vector<std::string>& argv, const fs::path& log) {
-  const pid_t pid = ::fork();
-  if (pid < 0) throw_env("fork failed");
-  if (pid == 0) {
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-    }
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  int st = 0;
-  while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
-
 int run(const BenchE2eOptions& o) {
   TempDir tmp("lorasync-bench-e2e");
   const std::string self = lorasync_executable();
@@ -73,16 +39,17 @@ int run(const BenchE2eOptions& o) {
     const fs::path dir = tmp.path() / t;
     LS_LOG_INFO("bench", "bench e2e: demo, {} steps, sync by {} (log {})", o.steps, t, (tmp.path() / (t + ".log")).string());
     const double t0 = now_seconds();
-    const int code = run_child({self, "demo", "--run-dir", dir.string(), "--steps", std::to_string(o.steps), "--eval-problems", "4",
-                                "--eval-samples", "1", "--seed", std::to_string(o.seed), "--sync-transport", t},
-                               tmp.path() / (t + ".log"));
+    ChildProcess demo(t, {self, "demo", "--run-dir", dir.string(), "--steps", std::to_string(o.steps), "--eval-problems", "4",
+                          "--eval-samples", "1", "--seed", std::to_string(o.seed), "--sync-transport", t},
+                      tmp.path());
+    const int code = demo.wait();
     const double demo_s = now_seconds() - t0;
     if (code != 0) throw_env("bench e2e: the demo (sync by {}) exited {}: {}", t, code, read_file(tmp.path() / (t + ".log")).substr(0, 4000));
     fs::path mfile;
     for (auto it = fs::recursive_directory_iterator(dir); it != fs::recursive_directory_iterator(); ++it)
       if (it->path().filename() == "metrics.jsonl") mfile = it->path();
     if (mfile.empty()) throw_env("bench e2e: the demo wrote no metrics.jsonl under {}", dir.string());
-    auto ms = read_metrics(mfile);
+    auto ms = read_jsonl(mfile);
     if (ms.size() < 2) throw_env("bench e2e: {} steps recorded", ms.size());
     double step = 0, wait = 0, train = 0, sync_wait = 0, sync = 0, syncs = 0;
     std::vector<double> sync_each;

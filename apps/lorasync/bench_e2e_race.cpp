@@ -290,7 +290,7 @@ class Race {
     {
       ChildProcess prep("prepare-model",
                         {python_, driver_, "--prepare-model", task_.model.string(), "--output-dir", dir.string(), "--data",
-                         task_.train.string(), "--system-prompt", task_.system_prompt, "--mode", async ? "async" : "sync", "--model", "-"},
+                         task_.train.string(), "--system-prompt", task_.system_prompt, "--mode", async ? "async" : "sync"},
                         logs, {}, &g_stop);
       if (prep.wait() != 0) throw_env("bench e2e: preparing the model for TRL failed:\n{}", log_tail(prep.log()));
     }
@@ -365,28 +365,24 @@ class Race {
 
 Task resolve_task(const RaceOptions& o, const fs::path& logs) {
   Task t;
-  fs::path demo = o.demo_dir;
-  if (demo.empty() && (o.model.empty() || o.train_data.empty() || o.heldout_data.empty())) {
-    const char* xdg = std::getenv("XDG_CACHE_HOME");
-    const char* home = std::getenv("HOME");
-    const fs::path cache = xdg && *xdg ? fs::path(xdg) / "lorasync" : fs::path(home ? home : ".") / ".cache" / "lorasync";
-    demo = cache / ("demo-model-v2-seed" + std::to_string(o.model_seed) +
-                    (o.model_steps > 0 ? "-sft" + std::to_string(o.model_steps) : std::string()));
+  fs::path demo_dir = o.demo_dir;
+  if (demo_dir.empty() && (o.model.empty() || o.train_data.empty() || o.heldout_data.empty())) {
+    demo_dir = demo::cached_model_dir(demo::default_cache_dir(), o.model_seed, o.model_steps);
   }
   json meta = json::object();
-  if (!demo.empty()) {
-    if (!fs::exists(demo / "demo.json")) {
-      LS_LOG_INFO("bench", "bench e2e: making the demo model in {}", demo.string());
-      fs::create_directories(demo.parent_path());
-      std::vector<std::string> args = {lorasync_executable(), "make-demo-model", "--out", demo.string(), "--seed", std::to_string(o.model_seed)};
+  if (!demo_dir.empty()) {
+    if (!fs::exists(demo_dir / "demo.json")) {
+      LS_LOG_INFO("bench", "bench e2e: making the demo model in {}", demo_dir.string());
+      fs::create_directories(demo_dir.parent_path());
+      std::vector<std::string> args = {lorasync_executable(), "make-demo-model", "--out", demo_dir.string(), "--seed", std::to_string(o.model_seed)};
       if (o.model_steps > 0) args.insert(args.end(), {"--steps", std::to_string(o.model_steps)});
       ChildProcess c("make-demo-model", args, logs, {}, &g_stop);
       if (c.wait() != 0) throw_env("bench e2e: make-demo-model failed:\n{}", log_tail(c.log()));
     }
-    meta = json::parse(read_file(demo / "demo.json"));
-    t.model = demo / meta.value("model_dir", std::string("model"));
-    t.train = demo / meta.value("train_file", std::string("train.jsonl"));
-    t.heldout = demo / meta.value("heldout_file", std::string("heldout.jsonl"));
+    meta = json::parse(read_file(demo_dir / "demo.json"));
+    t.model = demo_dir / meta.value("model_dir", std::string("model"));
+    t.train = demo_dir / meta.value("train_file", std::string("train.jsonl"));
+    t.heldout = demo_dir / meta.value("heldout_file", std::string("heldout.jsonl"));
     t.system_prompt = meta.value("system_prompt", std::string());
     t.max_new_tokens = meta.value("max_new_tokens", std::int64_t{64});
   }

@@ -145,15 +145,8 @@ int run_demo(const DemoOptions& o) {
   };
 
   // 1. The base model (cached).
-  fs::path cache = o.cache_dir;
-  if (cache.empty()) {
-    const char* xdg = std::getenv("XDG_CACHE_HOME");
-    const char* home = std::getenv("HOME");
-    cache = xdg && *xdg ? fs::path(xdg) / "lorasync" : fs::path(home ? home : ".") / ".cache" / "lorasync";
-  }
-  const fs::path base = cache / ("demo-model-v2-seed" + std::to_string(o.seed) +
-                                 (o.model_steps > 0 ? "-sft" + std::to_string(o.model_steps) : std::string()) +
-                                 (o.arch != "qwen2" ? "-" + o.arch : std::string()));
+  const fs::path cache = o.cache_dir.empty() ? demo::default_cache_dir() : fs::path(o.cache_dir);
+  const fs::path base = demo::cached_model_dir(cache, o.seed, o.model_steps, o.arch);
   const fs::path run = fs::absolute(o.run_dir);
   if (!o.resume && fs::exists(run)) fs::remove_all(run);
   fs::create_directories(run / "logs");

@@ -2,9 +2,22 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <sstream>
 
 namespace lorasync::demo {
+
+std::filesystem::path default_cache_dir() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  return xdg && *xdg ? std::filesystem::path(xdg) / "lorasync" : std::filesystem::path(home ? home : ".") / ".cache" / "lorasync";
+}
+
+std::filesystem::path cached_model_dir(const std::filesystem::path& cache, std::int64_t seed, std::int64_t sft_steps,
+                                       const std::string& arch) {
+  return cache / ("demo-model-v2-seed" + std::to_string(seed) + (sft_steps > 0 ? "-sft" + std::to_string(sft_steps) : std::string()) +
+                  (arch != "qwen2" ? "-" + arch : std::string()));
+}
 
 std::string demo_train_toml(const DemoTrainSettings& s) {
   auto q = [](const std::string& v) { return nlohmann::json(v).dump(); };

@@ -1,10 +1,12 @@
 // demo/train_config.h: the trainer configuration of the demo's run (demo.md), written as TOML for
-// `lorasync train --config`. `lorasync demo` and `lorasync bench e2e` (which races it against TRL
-// with the same hyperparameters) both write it from here.
-// Thread-safety: pure function.
+// `lorasync train --config`, and where the demo caches its base models. `lorasync demo` and
+// `lorasync bench e2e` (which races the run against TRL with the same hyperparameters) both take
+// them from here.
+// Thread-safety: pure functions (default_cache_dir reads the environment).
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 
 namespace lorasync::demo {
@@ -33,6 +35,13 @@ struct DemoTrainSettings {
   std::int64_t save_steps = 5;
   std::int64_t save_total_limit = 3;
 };
+
+// $XDG_CACHE_HOME/lorasync, else ~/.cache/lorasync.
+std::filesystem::path default_cache_dir();
+// The cached base model's folder in `cache` (what `make-demo-model --out` wrote): one per seed, SFT
+// steps (0 = make-demo-model's default) and family.
+std::filesystem::path cached_model_dir(const std::filesystem::path& cache, std::int64_t seed, std::int64_t sft_steps,
+                                       const std::string& arch = "qwen2");
 
 // The TOML text (every string quoted as JSON, which TOML reads the same).
 std::string demo_train_toml(const DemoTrainSettings& s);
